@@ -1,0 +1,3 @@
+"""fivefold: plan, predict and run hybrid-parallel transformer training."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,225 @@
+"""ClusterSpec: groups of identical nodes, the links inside and between them.
+
+Shorthand: `NODESxGPUSxDEVICE[:key=value,...]`, groups joined with `+`, e.g.
+`2x8xA100-80GB+2x8xH100-SXM:nic=400Gb/s`. `GPUSxDEVICE` means one node.
+Keys: nvlink (per-GPU intra-node bandwidth, one direction), nic (network bandwidth of one node, one
+direction), mem (device memory), nvlink_latency, nic_latency. A TOML file gives the same per group,
+plus `between_groups` (bandwidth per node between two groups) and `between_groups_latency`.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from fivefold.errors import SpecError, require
+from fivefold.spec.devices import CATALOG, DeviceSpec, device_named
+from fivefold.spec.units import format_bandwidth, format_size, format_time, parse_bandwidth, parse_size, parse_time
+
+_GROUP = re.compile(r"^(?:(\d+)x)?(\d+)x([A-Za-z0-9_.\-]+)$")
+GROUP_KEYS = ("nvlink", "nic", "mem", "nvlink_latency", "nic_latency")
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """`nodes` identical nodes of `gpus_per_node` devices each."""
+
+    nodes: int  # node count
+    gpus_per_node: int  # devices per node
+    device: DeviceSpec  # device type (with any overrides applied)
+    intra_node_bandwidth: float  # bytes/s per device, one direction
+    network_bandwidth: float  # bytes/s per node, one direction
+    intra_node_latency: float  # seconds
+    network_latency: float  # seconds
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def label(self) -> str:
+        return f"{self.nodes}x{self.gpus_per_node}x{self.device.name}"
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point path between two devices."""
+
+    bandwidth: float  # bytes/s, one direction
+    latency: float  # seconds
+    kind: str  # "self", "intra" (NVLink/xGMI/PCIe/shm) or "network"
+
+
+@dataclass(frozen=True)
+class DeviceSlot:
+    """Where one device sits: its global index, group, node and local index."""
+
+    index: int
+    group: int
+    node: int  # global node index
+    local: int  # index inside the node
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    groups: tuple[NodeGroup, ...]  # one or more groups of identical nodes
+    between_groups_bandwidth: float | None = None  # bytes/s per node across groups; None = slower NIC
+    between_groups_latency: float | None = None  # seconds; None = larger NIC latency
+
+    def __post_init__(self) -> None:
+        require(len(self.groups) > 0, "cluster", "", "needs at least one group")
+
+    @property
+    def world_size(self) -> int:
+        return sum(g.world_size for g in self.groups)
+
+    @property
+    def is_homogeneous(self) -> bool:
+        first = self.groups[0]
+        return all(g.device == first.device and g.gpus_per_node == first.gpus_per_node
+                   and g.network_bandwidth == first.network_bandwidth for g in self.groups)
+
+    @property
+    def label(self) -> str:
+        return "+".join(g.label for g in self.groups)
+
+    def slots(self) -> list[DeviceSlot]:
+        out, node = [], 0
+        for group_index, group in enumerate(self.groups):
+            for _ in range(group.nodes):
+                for local in range(group.gpus_per_node):
+                    out.append(DeviceSlot(len(out), group_index, node, local))
+                node += 1
+        return out
+
+    def group_of(self, device_index: int) -> NodeGroup:
+        return self.groups[self.slots()[device_index].group]
+
+    def link(self, a: int, b: int) -> Link:
+        """The path between devices a and b (global indices)."""
+        slots = self.slots()
+        sa, sb = slots[a], slots[b]
+        ga, gb = self.groups[sa.group], self.groups[sb.group]
+        if a == b:
+            return Link(float("inf"), 0.0, "self")
+        if sa.node == sb.node:
+            return Link(ga.intra_node_bandwidth, ga.intra_node_latency, "intra")
+        bandwidth = min(ga.network_bandwidth, gb.network_bandwidth)
+        latency = max(ga.network_latency, gb.network_latency)
+        if sa.group != sb.group:
+            bandwidth = self.between_groups_bandwidth or bandwidth
+            latency = self.between_groups_latency or latency
+        return Link(bandwidth, latency, "network")
+
+    def to_dict(self) -> dict:
+        """The TOML form; device fields that differ from the catalog are written out."""
+        groups = []
+        for g in self.groups:
+            entry: dict = {"nodes": g.nodes, "gpus_per_node": g.gpus_per_node, "device": g.device.name,
+                           "nvlink": format_bandwidth(g.intra_node_bandwidth),
+                           "nic": format_bandwidth(g.network_bandwidth),
+                           "nvlink_latency": format_time(g.intra_node_latency),
+                           "nic_latency": format_time(g.network_latency),
+                           "mem": format_size(g.device.memory_bytes)}
+            base = CATALOG.get(g.device.name)
+            if base is None or g.device.peak_flops != base.peak_flops:
+                entry["peak_tflops"] = {k: v / 1e12 for k, v in g.device.peak_flops.items()}
+            if base is None or g.device.memory_bandwidth != base.memory_bandwidth:
+                entry["memory_bandwidth"] = format_bandwidth(g.device.memory_bandwidth)
+            groups.append(entry)
+        out: dict = {"group": groups}
+        if self.between_groups_bandwidth is not None:
+            out["between_groups"] = format_bandwidth(self.between_groups_bandwidth)
+        if self.between_groups_latency is not None:
+            out["between_groups_latency"] = format_time(self.between_groups_latency)
+        return out
+
+
+def _make_group(nodes: int, gpus: int, device: DeviceSpec, settings: dict, where: str) -> NodeGroup:
+    require(nodes > 0, f"{where}.nodes", nodes, "must be a positive integer")
+    require(gpus > 0, f"{where}.gpus_per_node", gpus, "must be a positive integer")
+    changes: dict = {}
+    if "mem" in settings:
+        changes["memory_bytes"] = parse_size(settings["mem"], f"{where}.mem")
+    if "memory_bandwidth" in settings:
+        changes["memory_bandwidth"] = parse_bandwidth(settings["memory_bandwidth"], f"{where}.memory_bandwidth")
+    if "peak_tflops" in settings:
+        table = settings["peak_tflops"]
+        require(isinstance(table, dict) and all(isinstance(v, (int, float)) and v > 0 for v in table.values()),
+                f"{where}.peak_tflops", table, "write a table of dtype = positive TFLOP/s")
+        changes["peak_flops"] = {k: float(v) * 1e12 for k, v in table.items()}
+    if changes:
+        device = device.with_overrides(**changes)
+    return NodeGroup(
+        nodes=nodes, gpus_per_node=gpus, device=device,
+        intra_node_bandwidth=parse_bandwidth(settings["nvlink"], f"{where}.nvlink")
+        if "nvlink" in settings else device.intra_node_bandwidth,
+        network_bandwidth=parse_bandwidth(settings["nic"], f"{where}.nic")
+        if "nic" in settings else device.network_bandwidth,
+        intra_node_latency=parse_time(settings["nvlink_latency"], f"{where}.nvlink_latency")
+        if "nvlink_latency" in settings else device.intra_node_latency,
+        network_latency=parse_time(settings["nic_latency"], f"{where}.nic_latency")
+        if "nic_latency" in settings else device.network_latency,
+    )
+
+
+def parse_cluster_shorthand(text: str) -> ClusterSpec:
+    groups = []
+    for index, part in enumerate(text.strip().split("+")):
+        shape, _, options = part.strip().partition(":")
+        match = _GROUP.match(shape.strip())
+        if not match:
+            raise SpecError("--cluster", part, "malformed group; write NODESxGPUSxDEVICE[:key=value,...], "
+                                               "e.g. 2x8xH100-SXM:nic=400Gb/s")
+        nodes = int(match.group(1) or 1)
+        gpus = int(match.group(2))
+        device = device_named(match.group(3), field_name=f"cluster group {index} device")
+        settings: dict[str, str] = {}
+        for item in filter(None, (o.strip() for o in options.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise SpecError("--cluster", item, "malformed option; write key=value, e.g. nic=400Gb/s")
+            if key not in GROUP_KEYS:
+                raise SpecError(f"cluster group {index} option", key, f"unknown key; known: {', '.join(GROUP_KEYS)}")
+            settings[key] = value
+        groups.append(_make_group(nodes, gpus, device, settings, f"cluster group {index}"))
+    return ClusterSpec(tuple(groups))
+
+
+def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
+    entries = data.get("group")
+    require(isinstance(entries, list) and len(entries) > 0, f"{where}.group", entries,
+            "write one or more [[cluster.group]] tables with nodes, gpus_per_node, device")
+    allowed = set(GROUP_KEYS) | {"nodes", "gpus_per_node", "device", "peak_tflops", "memory_bandwidth"}
+    groups = []
+    for index, entry in enumerate(entries):
+        here = f"{where}.group[{index}]"
+        for key in entry:
+            require(key in allowed, f"{here}.{key}", entry[key], f"unknown key; known: {', '.join(sorted(allowed))}")
+        require("device" in entry, f"{here}.device", None, f"missing; known: {', '.join(CATALOG)}")
+        device = device_named(str(entry["device"]), field_name=f"{here}.device")
+        groups.append(_make_group(int(entry.get("nodes", 1)), int(entry.get("gpus_per_node", device.gpus_per_node)),
+                                  device, entry, here))
+    between = data.get("between_groups")
+    between_latency = data.get("between_groups_latency")
+    return ClusterSpec(
+        tuple(groups),
+        parse_bandwidth(between, f"{where}.between_groups") if between is not None else None,
+        parse_time(between_latency, f"{where}.between_groups_latency") if between_latency is not None else None,
+    )
+
+
+def parse_cluster(text: str) -> ClusterSpec:
+    """Shorthand, or the path of a TOML file with a [cluster] table (or top-level [[group]] tables)."""
+    path = Path(text)
+    if text.endswith(".toml") or path.is_file():
+        if not path.is_file():
+            raise SpecError("--cluster", text, "no such file")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise SpecError("--cluster", text, f"not valid TOML ({exc})") from None
+        return cluster_from_dict(data.get("cluster", data))
+    return parse_cluster_shorthand(text)

@@ -1,0 +1,255 @@
+"""Plan: the contract between planner, simulator, runtime, checkpoints and reports.
+
+A frozen, versioned record of how one model trains on one cluster. Ranks are laid out on a mesh of
+dims MESH_DIMS = (pp, dp, cp, tp), tp innermost, so by default a tp group is consecutive devices of one
+node. `placement[rank]` is the cluster device index that rank runs on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from fivefold.errors import SpecError, require
+from fivefold.spec.cluster import ClusterSpec, cluster_from_dict
+from fivefold.spec.model import ModelSpec, model_from_dict
+from fivefold.spec.train import TrainSpec, train_from_dict
+
+PLAN_VERSION = 1
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
+RECOMPUTE = ("none", "selective", "full")
+ZERO_LEVELS = (0, 1, 2, 3)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def default_layers_per_stage(layers: int, stages: int) -> tuple[int, ...]:
+    """Even split; leftover layers go to the middle stages, since the first and last stages also carry
+    the embedding and the LM head."""
+    base, extra = divmod(layers, stages)
+    counts = [base] * stages
+    middle_out = sorted(range(stages), key=lambda s: (s in (0, stages - 1) and stages > 2, abs(s - (stages - 1) / 2)))
+    for stage in middle_out[:extra]:
+        counts[stage] += 1
+    return tuple(counts)
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelSpec  # what is trained
+    cluster: ClusterSpec  # where it is trained
+    train: TrainSpec  # sequence length, global batch, dtype, optimizer
+    dp: int = 1  # data-parallel degree (replicas, or shards under ZeRO/FSDP)
+    tp: int = 1  # tensor-parallel degree
+    pp: int = 1  # pipeline-parallel degree (ranks per pipeline)
+    cp: int = 1  # context-parallel degree (sequence split inside attention)
+    ep: int = 1  # expert-parallel degree, carved out of dp x cp (MoE only)
+    zero: int = 0  # 0 = replicated, 1 = optimizer, 2 = +gradients, 3 = +parameters (FSDP)
+    micro_batch: int = 1  # sequences per micro-batch on one replica
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zb-h1 | zbv
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved: >= 2, zbv: 2)
+    layers_per_stage: tuple[int, ...] = ()  # one entry per virtual stage, in model order; () = even
+    recompute: str = "none"  # activation recompute: none | selective | full
+    sequence_parallel: bool = False  # shard norms/dropout activations over tp (needs tp > 1)
+    placement: tuple[int, ...] = ()  # rank -> cluster device index; () = identity
+    replica_micro_batches: tuple[int, ...] = ()  # micro-batches per dp replica when uneven; () = even
+    version: int = PLAN_VERSION  # format version of this record
+
+    def __post_init__(self) -> None:
+        if not self.layers_per_stage and self.model.layers >= self.num_stages > 0:
+            object.__setattr__(self, "layers_per_stage",
+                               default_layers_per_stage(self.model.layers, self.num_stages))
+        if not self.placement and self.world_size == self.cluster.world_size:
+            object.__setattr__(self, "placement", tuple(range(self.world_size)))
+        object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
+        object.__setattr__(self, "placement", tuple(self.placement))
+        object.__setattr__(self, "replica_micro_batches", tuple(self.replica_micro_batches))
+        self.validate()
+
+    # --- derived quantities -------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def num_stages(self) -> int:
+        """Virtual stages in the whole pipeline (pp x virtual_stages)."""
+        return self.pp * self.virtual_stages
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches per replica per step (the largest one when replicas are uneven)."""
+        if self.replica_micro_batches:
+            return max(self.replica_micro_batches)
+        return self.train.global_batch // (self.dp * self.micro_batch)
+
+    def micro_batches_of_replica(self, dp_rank: int) -> int:
+        if self.replica_micro_batches:
+            return self.replica_micro_batches[dp_rank]
+        return self.num_micro_batches
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, dim) for dim in MESH_DIMS)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates of a rank: {'pp': .., 'dp': .., 'cp': .., 'tp': ..}."""
+        out = {}
+        for dim in reversed(MESH_DIMS):
+            rank, out[dim] = divmod(rank, getattr(self, dim))
+        return {dim: out[dim] for dim in MESH_DIMS}
+
+    def rank_of(self, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+
+    def stage_owner(self, stage: int) -> int:
+        """The pp rank that holds virtual stage `stage`: looped for interleaved, V-shaped for zbv."""
+        if self.schedule == "zbv":
+            return stage if stage < self.pp else 2 * self.pp - 1 - stage
+        return stage % self.pp
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        return [s for s in range(self.num_stages) if self.stage_owner(s) == pp_rank]
+
+    def describe(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        text = " ".join(parts) + f" mb{self.micro_batch}x{self.num_micro_batches}"
+        if self.pp > 1:
+            text += f" {self.schedule}" + (f"(v{self.virtual_stages})" if self.virtual_stages > 1 else "")
+        text += f" zero{self.zero} rc={self.recompute}"
+        return text + (" sp" if self.sequence_parallel else "")
+
+    # --- validation ---------------------------------------------------------------------------
+    def validate(self) -> None:
+        m, t = self.model, self.train
+        for dim in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "virtual_stages"):
+            value = getattr(self, dim)
+            require(isinstance(value, int) and value >= 1, f"plan.{dim}", value, "must be an integer >= 1")
+        require(self.version == PLAN_VERSION, "plan.version", self.version,
+                f"this fivefold reads plan version {PLAN_VERSION}")
+        world = self.cluster.world_size
+        require(self.world_size == world, "plan.dp*tp*pp*cp", self.world_size,
+                f"degrees must multiply to the cluster's {world} devices (dp={self.dp} tp={self.tp} "
+                f"pp={self.pp} cp={self.cp})")
+        require(m.heads % self.tp == 0, "plan.tp", self.tp, f"must divide model.heads={m.heads}; "
+                f"valid: {', '.join(map(str, divisors(m.heads)))}")
+        require(m.kv_heads % self.tp == 0, "plan.tp", self.tp, f"must divide model.kv_heads={m.kv_heads}; "
+                f"valid: {', '.join(map(str, divisors(m.kv_heads)))}")
+        ffn = m.expert_ffn_hidden if m.is_moe else m.ffn_hidden
+        require(ffn % self.tp == 0, "plan.tp", self.tp, f"must divide the MLP width {ffn}")
+        require(t.seq_len % self.cp == 0, "plan.cp", self.cp, f"must divide train.seq_len={t.seq_len}")
+        if m.position == "learned":
+            require(t.seq_len <= m.max_seq_len, "train.seq_len", t.seq_len,
+                    f"longer than the learned position table (model.max_seq_len={m.max_seq_len})")
+        if m.is_moe:
+            require((self.dp * self.cp) % self.ep == 0, "plan.ep", self.ep,
+                    f"must divide dp*cp={self.dp * self.cp} (experts are spread over data-parallel ranks)")
+            require(m.experts % self.ep == 0, "plan.ep", self.ep, f"must divide model.experts={m.experts}")
+        else:
+            require(self.ep == 1, "plan.ep", self.ep, "expert parallelism needs an MoE model (model.experts > 0)")
+        require(self.zero in ZERO_LEVELS, "plan.zero", self.zero, "use 0, 1, 2 or 3 (3 = FSDP)")
+        require(self.recompute in RECOMPUTE, "plan.recompute", self.recompute, f"use one of {', '.join(RECOMPUTE)}")
+        require(self.schedule in SCHEDULES, "plan.schedule", self.schedule, f"use one of {', '.join(SCHEDULES)}")
+        if self.schedule == "interleaved-1f1b":
+            require(self.virtual_stages >= 2, "plan.virtual_stages", self.virtual_stages,
+                    "interleaved-1f1b needs 2 or more virtual stages per rank")
+        elif self.schedule == "zbv":
+            require(self.virtual_stages == 2, "plan.virtual_stages", self.virtual_stages,
+                    "zbv places exactly 2 stages on each rank (a V shape)")
+        else:
+            require(self.virtual_stages == 1, "plan.virtual_stages", self.virtual_stages,
+                    f"{self.schedule} uses 1; virtual stages need interleaved-1f1b or zbv")
+        if self.sequence_parallel:
+            require(self.tp > 1, "plan.sequence_parallel", True, "needs tp > 1")
+        require(m.layers >= self.num_stages, "plan.pp", self.pp,
+                f"pp x virtual_stages = {self.num_stages} stages but the model has {m.layers} layers")
+        require(len(self.layers_per_stage) == self.num_stages, "plan.layers_per_stage", list(self.layers_per_stage),
+                f"needs one entry per stage ({self.num_stages} = pp x virtual_stages)")
+        require(all(isinstance(n, int) and n >= 1 for n in self.layers_per_stage), "plan.layers_per_stage",
+                list(self.layers_per_stage), "every stage needs at least one layer")
+        require(sum(self.layers_per_stage) == m.layers, "plan.layers_per_stage", list(self.layers_per_stage),
+                f"sums to {sum(self.layers_per_stage)} but model.layers={m.layers}")
+        if self.replica_micro_batches:
+            require(len(self.replica_micro_batches) == self.dp, "plan.replica_micro_batches",
+                    list(self.replica_micro_batches), f"needs one entry per dp replica ({self.dp})")
+            require(all(n >= 1 for n in self.replica_micro_batches), "plan.replica_micro_batches",
+                    list(self.replica_micro_batches), "every replica needs at least one micro-batch")
+            total = sum(self.replica_micro_batches) * self.micro_batch
+            require(total == t.global_batch, "plan.replica_micro_batches", list(self.replica_micro_batches),
+                    f"sum x micro_batch = {total} but train.global_batch={t.global_batch}")
+        else:
+            per_step = self.dp * self.micro_batch
+            require(t.global_batch % per_step == 0, "plan.micro_batch", self.micro_batch,
+                    f"dp x micro_batch = {per_step} must divide train.global_batch={t.global_batch}")
+        if self.schedule == "interleaved-1f1b" and self.pp > 1:
+            require(self.num_micro_batches % self.pp == 0, "plan.micro_batch", self.micro_batch,
+                    f"interleaved-1f1b needs micro-batches per replica ({self.num_micro_batches}) "
+                    f"divisible by pp={self.pp}")
+        require(sorted(self.placement) == list(range(world)), "plan.placement", list(self.placement)[:16],
+                f"must list each of the {world} cluster devices exactly once")
+
+    # --- serialization ------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        plan = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("model", "cluster", "train", "version")}
+        plan = {k: list(v) if isinstance(v, tuple) else v for k, v in plan.items()}
+        if not plan["replica_micro_batches"]:
+            del plan["replica_micro_batches"]
+        if plan["placement"] == list(range(self.world_size)):
+            del plan["placement"]  # identity, the default
+        plan["num_micro_batches"] = self.num_micro_batches  # informative; checked on load
+        return {"version": self.version, "plan": plan, "model": self.model.to_dict(),
+                "train": self.train.to_dict(), "cluster": self.cluster.to_dict()}
+
+    def to_toml(self) -> str:
+        import tomli_w
+
+        return "# fivefold plan: " + self.describe() + "\n" + tomli_w.dumps(self.to_dict())
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_toml())
+
+    def replace(self, **changes: object) -> Plan:
+        """A copy with some fields changed; derived defaults are recomputed unless given."""
+        if any(k in changes for k in ("pp", "virtual_stages", "schedule")) and "layers_per_stage" not in changes:
+            changes["layers_per_stage"] = ()
+        return dataclasses.replace(self, **changes)
+
+
+def plan_from_dict(data: dict) -> Plan:
+    for key in ("plan", "model", "train", "cluster"):
+        require(isinstance(data.get(key), dict), key, None, f"the plan file needs a [{key}] table")
+    fields = dict(data["plan"])
+    expected_micro_batches = fields.pop("num_micro_batches", None)
+    known = {f.name for f in dataclasses.fields(Plan)} - {"model", "cluster", "train", "version"}
+    for key in fields:
+        require(key in known, f"plan.{key}", fields[key], f"unknown field; known: {', '.join(sorted(known))}")
+    for key in ("layers_per_stage", "placement", "replica_micro_batches"):
+        if key in fields:
+            fields[key] = tuple(fields[key])
+    plan = Plan(model=model_from_dict(data["model"]), cluster=cluster_from_dict(data["cluster"]),
+                train=train_from_dict(data["train"]), version=data.get("version", PLAN_VERSION), **fields)
+    if expected_micro_batches is not None:
+        require(expected_micro_batches == plan.num_micro_batches, "plan.num_micro_batches", expected_micro_batches,
+                f"global_batch / (dp x micro_batch) gives {plan.num_micro_batches}")
+    return plan
+
+
+def load_plan(path: str | Path) -> Plan:
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError("--plan", str(path), "no such file")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError("--plan", str(path), f"not valid TOML ({exc})") from None
+    return plan_from_dict(data)

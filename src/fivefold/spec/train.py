@@ -1,0 +1,43 @@
+"""TrainSpec: what one optimizer step consumes."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fivefold.errors import SpecError, require
+
+DTYPES = ("bf16", "fp16", "fp32")
+OPTIMIZERS = ("adamw",)
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    seq_len: int = 128  # tokens per sequence
+    global_batch: int = 8  # sequences per optimizer step, over all data-parallel replicas
+    dtype: str = "bf16"  # compute dtype: bf16 | fp16 (mixed precision, fp32 master) | fp32
+    optimizer: str = "adamw"  # only AdamW for now
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.seq_len, int) and self.seq_len > 0, "train.seq_len", self.seq_len,
+                "must be a positive integer")
+        require(isinstance(self.global_batch, int) and self.global_batch > 0, "train.global_batch",
+                self.global_batch, "must be a positive integer (sequences per step)")
+        require(self.dtype in DTYPES, "train.dtype", self.dtype, f"use one of {', '.join(DTYPES)}")
+        require(self.optimizer in OPTIMIZERS, "train.optimizer", self.optimizer,
+                f"use one of {', '.join(OPTIMIZERS)}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.global_batch
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def train_from_dict(data: dict) -> TrainSpec:
+    known = {f.name for f in dataclasses.fields(TrainSpec)}
+    for key in data:
+        if key not in known:
+            raise SpecError(f"train.{key}", data[key], f"unknown field; known: {', '.join(sorted(known))}")
+    return TrainSpec(**data)
