@@ -121,7 +121,7 @@ PRESETS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(name="tiny", layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab=256,
                       max_seq_len=256),
     "tiny-gpt": ModelSpec(name="tiny-gpt", layers=4, hidden=64, heads=4, mlp="gelu", norm="layernorm",
-                          position="learned", vocab=256, max_seq_len=256, tied_embeddings=True),
+                          position="learned", vocab=256, max_seq_len=256),
     "small": ModelSpec(name="small", layers=8, hidden=256, heads=8, kv_heads=4, ffn_hidden=688, vocab=256,
                        max_seq_len=1024),
     "llama3-8b": ModelSpec(name="llama3-8b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336,

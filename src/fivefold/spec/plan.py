@@ -107,6 +107,11 @@ class Plan:
     def rank_of(self, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
         return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
+    def group_ranks(self, dim: str, rank: int) -> list[int]:
+        """The ranks that share every mesh coordinate with `rank` except `dim` (its tp group, dp group, ...)."""
+        coords = self.coords(rank)
+        return [self.rank_of(**{**coords, dim: i}) for i in range(getattr(self, dim))]
+
     def stage_owner(self, stage: int) -> int:
         """The pp rank that holds virtual stage `stage`: looped for interleaved, V-shaped for zbv."""
         if self.schedule == "zbv":
