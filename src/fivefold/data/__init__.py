@@ -1,1 +1,11 @@
-"""data"""
+"""Tokenizers, token datasets, and a global batch loader whose order does not depend on the plan."""
+
+from fivefold.data.corpus import builtin_corpus
+from fivefold.data.dataset import (TokenDataset, default_dataset, open_dataset, read_token_file, write_token_file,
+                                   write_tokens)
+from fivefold.data.loader import GlobalBatchLoader
+from fivefold.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+__all__ = ["ByteTokenizer", "GlobalBatchLoader", "HFTokenizer", "TokenDataset", "builtin_corpus",
+           "default_dataset", "load_tokenizer", "open_dataset", "read_token_file", "write_token_file",
+           "write_tokens"]

@@ -1,0 +1,265 @@
+"""Hugging Face Llama checkpoints in and out: config.json + safetensors <-> ModelSpec + fivefold names.
+
+fivefold's RoPE uses HF's rotate_half convention, so q/k weights map 1:1 with no permutation.
+Only the Llama architecture is read (what LlamaForCausalLM loads with default RoPE); anything else is
+refused with one line naming the file and field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from fivefold.errors import SpecError
+from fivefold.spec import ModelSpec
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# fivefold name pattern -> HF name pattern ({} is the layer index).
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def to_hf_name(name: str) -> str:
+    """fivefold FQN -> HF Llama FQN ("layers.3.attention.wq.weight" -> "model.layers.3.self_attn.q_proj.weight")."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    match = _LAYER_RE.match(name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    raise SpecError("parameter", name, "has no Hugging Face Llama counterpart")
+
+
+_FROM_HF_TOP = {hf: ours for ours, hf in _TOP_NAMES.items()}
+_FROM_HF_LAYER = {hf: ours for ours, hf in _LAYER_NAMES.items()}
+
+
+def from_hf_name(name: str) -> str | None:
+    """HF Llama FQN -> fivefold FQN; None for tensors fivefold does not keep (e.g. rotary inv_freq)."""
+    if name in _FROM_HF_TOP:
+        return _FROM_HF_TOP[name]
+    match = _HF_LAYER_RE.match(name)
+    if match and match.group(2) in _FROM_HF_LAYER:
+        return f"layers.{match.group(1)}.{_FROM_HF_LAYER[match.group(2)]}"
+    return None
+
+
+def spec_from_hf_config(config: dict, source: str = CONFIG_FILE) -> ModelSpec:
+    """A ModelSpec from a Llama config.json mapping; `source` names the file in errors."""
+    architectures = config.get("architectures") or ["LlamaForCausalLM"]
+    if config.get("model_type") != "llama" or architectures != ["LlamaForCausalLM"]:
+        shown = config.get("model_type") if config.get("model_type") != "llama" else architectures
+        field = "model_type" if config.get("model_type") != "llama" else "architectures"
+        raise SpecError(f"{source}:{field}", shown, "only Llama checkpoints (model_type llama, "
+                                                    "LlamaForCausalLM) can be imported")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise SpecError(f"{source}:rope_parameters.rope_type", rope_type, "only default RoPE is supported")
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag):
+            raise SpecError(f"{source}:{flag}", config[flag], "Llama without biases only; must be false")
+    if config.get("hidden_act", "silu") != "silu":
+        raise SpecError(f"{source}:hidden_act", config["hidden_act"], "SwiGLU needs silu")
+    try:
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        head_dim = config.get("head_dim") or hidden // heads
+        if head_dim * heads != hidden:
+            raise SpecError(f"{source}:head_dim", head_dim, f"must equal hidden_size/num_attention_heads="
+                                                            f"{hidden // heads}")
+        return ModelSpec(
+            name=str(config.get("_name_or_path") or "hf-llama").split("/")[-1] or "hf-llama",
+            layers=int(config["num_hidden_layers"]), hidden=hidden, heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            ffn_hidden=int(config["intermediate_size"]), vocab=int(config["vocab_size"]),
+            max_seq_len=int(config.get("max_position_embeddings", 4096)),
+            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+            norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)))
+    except KeyError as missing:
+        raise SpecError(f"{source}:{missing.args[0]}", None, "required field of a Llama config is missing") from None
+
+
+def hf_config_from_spec(spec: ModelSpec) -> dict:
+    """config.json content that LlamaForCausalLM.from_pretrained reads as this model."""
+    if spec.mlp != "swiglu" or spec.norm != "rmsnorm" or spec.position != "rope" or spec.is_moe:
+        raise SpecError("model", spec.name, "only Llama-style models (swiglu, rmsnorm, rope, dense) can be "
+                                            "exported to Hugging Face")
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": spec.vocab, "hidden_size": spec.hidden, "intermediate_size": spec.ffn_hidden,
+        "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": spec.max_seq_len, "rms_norm_eps": spec.norm_eps,
+        "rope_theta": spec.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "tie_word_embeddings": spec.tied_embeddings, "attention_bias": False, "mlp_bias": False,
+        "torch_dtype": "float32", "bos_token_id": None, "eos_token_id": None,
+    }
+
+
+# --- reading a Hugging Face folder ---------------------------------------------------------------
+
+def read_hf_config(folder: Path) -> tuple[dict, ModelSpec]:
+    file = folder / CONFIG_FILE
+    if not file.is_file():
+        raise SpecError("--from-hf", str(folder), f"no {CONFIG_FILE}; give a local Hugging Face model folder")
+    try:
+        config = json.loads(file.read_text())
+    except ValueError as exc:
+        raise SpecError(str(file), "(unparsable)", f"not valid JSON ({exc})") from None
+    return config, spec_from_hf_config(config, str(file))
+
+
+def _weight_files(folder: Path) -> dict[Path, list[str] | None]:
+    """Each safetensors file to read, with the tensor names the index promises in it (None: no index)."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise SpecError(str(index), "weight_map", f"unreadable index ({exc!r})") from None
+        files: dict[Path, list[str]] = {}
+        for name, shard in weight_map.items():
+            files.setdefault(folder / shard, []).append(name)
+        for shard in files:
+            if not shard.is_file():
+                raise SpecError(str(shard), "missing", f"this shard is listed in {INDEX_FILE} but not in the folder")
+        return dict(files)
+    single = folder / SINGLE_FILE
+    if not single.is_file():
+        raise SpecError("--from-hf", str(folder), f"no {SINGLE_FILE} or {INDEX_FILE} (only safetensors weights "
+                                                  "are read)")
+    return {single: None}
+
+
+def _read_safetensors(file: Path, promised: list[str] | None) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(file))
+    except SafetensorError as exc:
+        raise SpecError(str(file), f"{file.stat().st_size} bytes",
+                        f"truncated or not a safetensors file ({exc})") from None
+    for name in promised or ():
+        if name not in tensors:
+            raise SpecError(str(file), name, f"{INDEX_FILE} places this tensor here, but the file lacks it")
+    return tensors
+
+
+def _expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    from fivefold.models import build_model
+
+    model = build_model(spec)  # on meta: shapes only
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def load_hf_state_dict(folder: str | Path, dtype=None) -> tuple[ModelSpec, dict]:
+    """(ModelSpec, state dict in fivefold names) of a local HF Llama folder; every tensor shape is checked
+    against config.json. `dtype` (e.g. torch.float32) converts; None keeps the file's dtype."""
+    folder = Path(folder)
+    config, spec = read_hf_config(folder)
+    expected = _expected_shapes(spec)
+    state: dict = {}
+    for file, promised in _weight_files(folder).items():
+        for hf_name, tensor in _read_safetensors(file, promised).items():
+            name = from_hf_name(hf_name)
+            if name is None:
+                if hf_name.endswith("rotary_emb.inv_freq"):  # recomputed from rope_theta, not a weight
+                    continue
+                raise SpecError(f"{file}:{hf_name}", list(tensor.shape), "not a weight of a Llama model")
+            if name not in expected:
+                raise SpecError(f"{file}:{hf_name}", list(tensor.shape),
+                                f"{CONFIG_FILE} declares {spec.layers} layers; this tensor does not fit")
+            if tuple(tensor.shape) != expected[name]:
+                raise SpecError(f"{file}:{hf_name}", list(tensor.shape),
+                                f"{CONFIG_FILE} implies shape {list(expected[name])}")
+            state[name] = tensor if dtype is None else tensor.to(dtype)
+    if spec.tied_embeddings and "output.weight" not in state and "tok_embeddings.weight" in state:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    missing = [to_hf_name(n) for n in expected if n not in state]
+    if missing:
+        raise SpecError(str(folder), missing[0], f"weight missing from the safetensors files "
+                                                 f"({len(missing)} missing in all)")
+    return spec, state
+
+
+# --- writing a Hugging Face folder -----------------------------------------------------------------
+
+def save_hf(spec: ModelSpec, state_dict: dict, folder: str | Path) -> Path:
+    """config.json + model.safetensors that LlamaForCausalLM.from_pretrained loads."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    config = hf_config_from_spec(spec)
+    expected = _expected_shapes(spec)
+    tensors = {}
+    for name, shape in expected.items():
+        if spec.tied_embeddings and name == "output.weight":
+            continue  # HF ties lm_head to embed_tokens itself; safetensors refuses shared storage
+        tensor = state_dict.get(name)
+        if tensor is None or tuple(tensor.shape) != shape:
+            raise SpecError(f"state_dict:{name}", None if tensor is None else list(tensor.shape),
+                            f"expected shape {list(shape)} for model {spec.name}")
+        tensors[to_hf_name(name)] = tensor.detach().to("cpu").contiguous()
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values()}
+    # "dtype" is the transformers 5 key, "torch_dtype" the one earlier versions read.
+    config["dtype"] = config["torch_dtype"] = dtypes.pop() if len(dtypes) == 1 else "float32"
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
+# --- the convert verb ---------------------------------------------------------------------------------
+
+def _require_empty(path: Path, flag: str) -> None:
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise SpecError(flag, str(path), "exists and is not empty; choose a new directory")
+
+
+def convert_from_hf(folder: str | Path, out: str | Path) -> Path:
+    """A local HF Llama folder -> a fivefold checkpoint directory `out` (model only, step 0, fp32)."""
+    import torch
+
+    from fivefold.checkpoint.layout import save_model_checkpoint
+
+    out = Path(out)
+    _require_empty(out, "--out")
+    spec, state = load_hf_state_dict(folder, dtype=torch.float32)
+    return save_model_checkpoint(state, spec, out)
+
+
+def convert_to_hf(checkpoint: str | Path, out: str | Path) -> Path:
+    """A fivefold checkpoint (folder or root of step folders) -> an HF Llama folder `out`."""
+    from fivefold.checkpoint.layout import load_model_state_dict, read_checkpoint_info, resolve_checkpoint
+    from fivefold.models import build_model
+
+    out = Path(out)
+    _require_empty(out, "--out")
+    path = resolve_checkpoint(checkpoint)
+    spec = read_checkpoint_info(path)["model"]
+    hf_config_from_spec(spec)  # refuse non-Llama models before reading any weights
+    model = build_model(spec)
+    model.to_empty(device="cpu")
+    load_model_state_dict(path, model)
+    return save_hf(spec, model.state_dict(), out)
