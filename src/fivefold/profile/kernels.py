@@ -1,0 +1,79 @@
+"""Single-device measurements: GEMM throughput over shapes and dtypes, and memory bandwidth."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class GemmPoint:
+    m: int  # rows of A and C
+    n: int  # columns of B and C
+    k: int  # the reduced dimension
+    dtype: str  # fp32 | bf16 | fp16
+    seconds: float  # median time of one GEMM
+    flops_per_s: float  # 2*m*n*k / seconds
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(work: Callable[[], object], device: torch.device, repeats: int, min_seconds: float) -> float:
+    """Median over `repeats` timed batches; each batch runs the work often enough to last min_seconds."""
+    work()
+    synchronize(device)
+    start = time.perf_counter()
+    work()
+    synchronize(device)
+    once = max(time.perf_counter() - start, 1e-7)
+    inner = max(1, int(min_seconds / once))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            work()
+        synchronize(device)
+        samples.append((time.perf_counter() - start) / inner)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def gemm_shapes(quick: bool) -> list[tuple[int, int, int]]:
+    """Square GEMMs of growing size plus the skinny shapes of a transformer layer (tokens x h x 4h)."""
+    squares = [128, 256, 512, 1024] if quick else [128, 256, 512, 1024, 2048, 4096]
+    skinny = [(256, 1024, 256), (1024, 256, 1024)] if quick else [(512, 4096, 1024), (4096, 1024, 4096),
+                                                                  (2048, 2048, 8192)]
+    return [(s, s, s) for s in squares] + skinny
+
+
+def measure_gemm(device: torch.device, dtypes: list[str], quick: bool,
+                 on_point: Callable[[GemmPoint], None] | None = None) -> list[GemmPoint]:
+    points = []
+    for dtype in dtypes:
+        for m, n, k in gemm_shapes(quick):
+            a = torch.randn(m, k, device=device, dtype=DTYPES[dtype])
+            b = torch.randn(k, n, device=device, dtype=DTYPES[dtype])
+            seconds = median_seconds(lambda: torch.mm(a, b), device, repeats=3 if quick else 5,
+                                     min_seconds=0.02 if quick else 0.1)
+            point = GemmPoint(m, n, k, dtype, seconds, 2 * m * n * k / seconds)
+            points.append(point)
+            if on_point:
+                on_point(point)
+    return points
+
+
+def measure_memory_bandwidth(device: torch.device, quick: bool) -> float:
+    """Bytes/s of a large copy (one read + one write per element), the STREAM 'copy' kernel."""
+    elements = (32 if quick else 128) * 2**20 // 4
+    source = torch.ones(elements, device=device, dtype=torch.float32)
+    target = torch.empty_like(source)
+    seconds = median_seconds(lambda: target.copy_(source), device, repeats=5, min_seconds=0.05)
+    return 2 * source.numel() * source.element_size() / seconds
