@@ -17,7 +17,7 @@ BLOCK_TORCH = textwrap.dedent("""
     class NoTorch(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
             if name == "torch" or name.startswith("torch."):
-                raise ImportError(f"torch is blocked in this test (imported as {name})")
+                raise ImportError(f"torch is blocked in this test (imported as {{name}})")
             return None
 
     sys.meta_path.insert(0, NoTorch())

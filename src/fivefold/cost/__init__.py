@@ -1,1 +1,16 @@
-"""cost"""
+"""The analytical cost model: FLOPs, memory, kernel and collective times, pipeline bubbles, step time.
+
+Pure Python, no torch. `estimate(plan)` is the entry point; `model_flops_per_step(model, train)` is the
+MFU numerator shared with the runtime.
+"""
+
+from fivefold.cost.flops import hardware_flops_per_step, model_flops_per_step, narayanan_flops
+from fivefold.cost.layout import Layout
+from fivefold.cost.memory import korthikanti_activation_bytes, zero_model_state_bytes
+from fivefold.cost.pipeline import bubble_ratio
+from fivefold.cost.stack import STACKS, SoftwareStack, stack_named
+from fivefold.cost.step import Estimate, Score, StageCost, estimate, estimate_layout
+
+__all__ = ["Estimate", "Layout", "STACKS", "Score", "SoftwareStack", "StageCost", "bubble_ratio", "estimate",
+           "estimate_layout", "hardware_flops_per_step", "korthikanti_activation_bytes", "model_flops_per_step",
+           "narayanan_flops", "stack_named", "zero_model_state_bytes"]

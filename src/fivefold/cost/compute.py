@@ -1,0 +1,134 @@
+"""Time of one kernel on one device: GEMMs, fused attention and memory-bound element-wise work.
+
+A GEMM runs at a fraction of the datasheet peak that depends on its shape, through three mechanisms:
+- tile and wave quantization: the output is cut into tiles, one tile per streaming multiprocessor (SM) per
+  wave; a last, partly filled wave wastes SMs. cuBLAS picks among several tile shapes (smaller tiles waste
+  fewer SMs but reuse less data), so we take the best of a few (tile, relative speed) options;
+- main-loop amortization: each tile pays a fixed prologue/epilogue worth `k_overhead` of reduction depth,
+  so a GEMM with a short K runs at K / (K + k_overhead) of its best speed;
+- the roofline: a GEMM cannot run faster than moving its operands through device memory.
+Element-wise kernels (norms, activations, dropout, softmax, residual adds) are memory-bound: bytes moved
+over the achievable memory bandwidth. Every kernel also pays a fixed launch-to-finish latency.
+
+The parameters below describe a device generation, not a measurement row. Sources: SM counts from the
+vendor architecture whitepapers (A100: 108 SMs, H100 SXM: 132, H100 PCIe: 114, B200: 148 per GPU,
+L40S: 142, RTX 4090: 128, MI300X: 304 CUs). Sustained fractions of peak are typical large-GEMM results of
+cuBLAS/hipBLASLt at training clocks (A100 ~0.8 of 312 TFLOP/s; H100 ~0.7 of 989 under its power limit;
+MI300X ~0.55 of 1307), and ~0.8 of datasheet memory bandwidth for streaming kernels (STREAM-like copies).
+FlashAttention-2 (Dao 2023) reaches ~0.7 of the GEMM rate forward and ~0.55 backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.spec.devices import DeviceSpec
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    """How close one device generation gets to its datasheet numbers."""
+
+    sm_count: int  # streaming multiprocessors (compute units): GEMM tiles run one per SM per wave
+    gemm_fraction: float  # sustained fraction of dense peak on large GEMMs
+    attention_forward: float  # fused-attention forward speed relative to a large GEMM
+    attention_backward: float  # fused-attention backward speed relative to a large GEMM
+    memory_fraction: float  # achievable fraction of memory bandwidth in streaming kernels
+    kernel_latency: float  # seconds every kernel costs on the device (launch, ramp-up, tail)
+    k_overhead: float  # reduction depth worth of a GEMM tile's fixed prologue/epilogue cycles (elements of K)
+
+
+PROFILES: dict[str, ComputeProfile] = {
+    "A100-40GB": ComputeProfile(108, 0.80, 0.70, 0.55, 0.80, 4e-6, 96.0),
+    "A100-80GB": ComputeProfile(108, 0.80, 0.70, 0.55, 0.80, 4e-6, 96.0),
+    # Hopper and Blackwell tensor cores do 2-4x more work per SM clock than Ampere, so the fixed cycles
+    # of a tile's prologue/epilogue are worth proportionally more reduction depth.
+    "H100-SXM": ComputeProfile(132, 0.68, 0.70, 0.55, 0.80, 4e-6, 256.0),
+    "H100-PCIe": ComputeProfile(114, 0.68, 0.70, 0.55, 0.80, 4e-6, 256.0),
+    "H200": ComputeProfile(132, 0.70, 0.70, 0.55, 0.80, 4e-6, 256.0),
+    "B200": ComputeProfile(148, 0.68, 0.70, 0.55, 0.80, 4e-6, 384.0),
+    "L40S": ComputeProfile(142, 0.75, 0.65, 0.50, 0.80, 4e-6, 96.0),
+    "RTX-4090": ComputeProfile(128, 0.80, 0.65, 0.50, 0.80, 4e-6, 96.0),
+    "MI300X": ComputeProfile(304, 0.55, 0.60, 0.45, 0.75, 6e-6, 192.0),
+    # One CPU worker: few "SMs" (cores), no tensor cores; the catalog peak is itself a placeholder.
+    "cpu": ComputeProfile(4, 0.50, 0.50, 0.40, 0.60, 20e-6, 16.0),
+}
+DEFAULT_PROFILE = ComputeProfile(128, 0.70, 0.65, 0.50, 0.80, 5e-6, 128.0)
+
+# (tile rows, tile cols, speed relative to the largest tile): smaller tiles fill more SMs but reuse less.
+TILE_OPTIONS = ((256, 128, 1.0), (128, 128, 0.93), (128, 64, 0.82), (64, 64, 0.65))
+
+
+def profile_of(device: DeviceSpec) -> ComputeProfile:
+    return PROFILES.get(device.name, DEFAULT_PROFILE)
+
+
+def dtype_bytes(dtype: str) -> int:
+    return 4 if dtype == "fp32" else 2
+
+
+class Device:
+    """A device and a training dtype, with the few numbers every kernel-time formula needs."""
+
+    __slots__ = ("spec", "profile", "peak", "bandwidth", "gemm_peak", "latency", "element_bytes")
+
+    def __init__(self, spec: DeviceSpec, dtype: str) -> None:
+        self.spec = spec
+        self.profile = profile_of(spec)
+        self.peak = spec.flops(dtype)  # dense FLOP/s of the dtype
+        self.bandwidth = spec.memory_bandwidth * self.profile.memory_fraction  # achievable bytes/s
+        self.gemm_peak = self.peak * self.profile.gemm_fraction  # FLOP/s of a large, well-shaped GEMM
+        self.latency = self.profile.kernel_latency
+        self.element_bytes = dtype_bytes(dtype)
+
+
+def tile_utilization(rows: int, cols: int, batch: int, sm_count: int) -> float:
+    """Best fraction of the SMs doing useful work over the tile options (wave and tile quantization)."""
+    best = 0.0
+    for tile_rows, tile_cols, speed in TILE_OPTIONS:
+        row_tiles = -(-rows // tile_rows)
+        col_tiles = -(-cols // tile_cols)
+        tiles = row_tiles * col_tiles * batch
+        waves = -(-tiles // sm_count)
+        # Useful work / work of the launched tiles, times the share of SM slots used in all waves.
+        fill = (rows * cols) / (row_tiles * tile_rows * col_tiles * tile_cols)
+        utilization = speed * fill * tiles / (waves * sm_count)
+        if utilization > best:
+            best = utilization
+    return best
+
+
+def gemm_time(device: Device, m: int, n: int, k: int, batch: int = 1) -> float:
+    """Seconds of C[m, n] = A[m, k] @ B[k, n] (`batch` independent copies): compute or memory bound."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    flops = 2.0 * m * n * k * batch
+    efficiency = tile_utilization(m, n, batch, device.profile.sm_count) * k / (k + device.profile.k_overhead)
+    compute = flops / (device.gemm_peak * efficiency)
+    memory = (m * k + k * n + m * n) * batch * device.element_bytes / device.bandwidth
+    return max(compute, memory) + device.latency
+
+
+def elementwise_time(device: Device, num_bytes: float, kernels: int = 1) -> float:
+    """Seconds of memory-bound kernels moving `num_bytes` in total."""
+    return num_bytes / device.bandwidth + kernels * device.latency
+
+
+def flash_attention_time(device: Device, batch_heads: int, q_len: int, kv_len: int, head_dim: int,
+                         causal: bool, backward: bool) -> float:
+    """Seconds of a fused (FlashAttention-style) attention kernel over `batch_heads` (batch x local heads).
+
+    Forward does 2 matmuls (Q K^T, P V) of 2 * q * kv * d FLOPs each; backward does 5 (it recomputes P),
+    i.e. 2.5x forward. A causal mask skips about half the blocks. Query blocks of 128 rows are the tiles.
+    """
+    flops = 4.0 * batch_heads * q_len * kv_len * head_dim * (2.5 if backward else 1.0)
+    if causal:
+        flops *= 0.5 * (1.0 + 1.0 / max(1, -(-kv_len // 128)))  # the diagonal blocks run whole
+    relative = device.profile.attention_backward if backward else device.profile.attention_forward
+    # Head sizes below 128 waste tensor-core width; FlashAttention-2 reports ~15% less at d=64.
+    relative *= min(1.0, (head_dim / 128.0) ** 0.25)
+    utilization = tile_utilization(q_len, 128, batch_heads, device.profile.sm_count)
+    compute = flops / (device.gemm_peak * relative * utilization)
+    memory = 4.0 * batch_heads * (q_len + kv_len) * head_dim * device.element_bytes / device.bandwidth
+    return max(compute, memory) + device.latency
+

@@ -1,0 +1,298 @@
+"""Time of one transformer layer (and of the embedding and LM head) for one micro-batch on one rank.
+
+Each layer is written out as the kernels Megatron-style tensor parallelism runs (Shoeybi et al. 2019,
+Korthikanti et al. 2022 for sequence parallelism): norm, QKV GEMM, attention core, output GEMM, TP
+collective, residual, norm, MLP GEMMs, TP collective, residual. Each kernel is timed by cost/compute.py,
+each collective by cost/comm.py. Backward splits into the input-gradient part B (dgrad GEMMs, attention
+backward, element-wise backward, its TP collectives) and the weight-gradient part W (wgrad GEMMs), as the
+zero-bubble schedules need (Qi et al. 2024).
+
+A pass is the slower of the GPU work and the CPU time to issue its kernels (small models on fast GPUs
+are launch-bound). TP, CP and EP collectives are not overlapped with compute (Megatron's default), except
+the ring-attention KV exchange of context parallelism, which hides behind the attention of earlier chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.cost.comm import GroupLink, all_gather_time, all_reduce_time, all_to_all_time, p2p_time
+from fivefold.cost.compute import Device, elementwise_time, flash_attention_time, gemm_time
+from fivefold.cost.stack import SoftwareStack
+from fivefold.spec.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """Seconds of one layer (or embedding/head) for one micro-batch, split the way the schedules need."""
+
+    forward: float  # forward, comm included
+    backward_input: float  # input-gradient backward, comm included (no recompute)
+    backward_weight: float  # weight-gradient backward
+    recompute: float  # forward work repeated before backward, comm included (0 without recompute)
+    recompute_compute: float  # the GPU compute part of `recompute`
+    tp_comm: float  # exposed TP communication inside forward + backward_input + recompute
+    cp_comm: float  # exposed context-parallel KV exchange
+    ep_comm: float  # expert-parallel all-to-all
+    host_excess: float  # time the GPU waits on the CPU inside the three passes
+
+    def __add__(self, other: PassCost) -> PassCost:
+        return PassCost(*(a + b for a, b in zip(self._tuple(), other._tuple())))
+
+    def scaled(self, factor: float) -> PassCost:
+        return PassCost(*(a * factor for a in self._tuple()))
+
+    def _tuple(self) -> tuple[float, ...]:
+        return (self.forward, self.backward_input, self.backward_weight, self.recompute,
+                self.recompute_compute, self.tp_comm,
+                self.cp_comm, self.ep_comm, self.host_excess)
+
+
+ZERO_PASS = PassCost(*([0.0] * 9))
+COMM_KINDS = ("tp", "cp", "ep")
+
+
+class _Work:
+    """Accumulates GPU seconds, CPU kernel launches and exposed communication of one pass."""
+
+    __slots__ = ("forward", "backward_input", "backward_weight", "forward_comm", "backward_comm",
+                 "forward_kernels", "backward_kernels", "selective")
+
+    def __init__(self) -> None:
+        self.forward = self.backward_input = self.backward_weight = 0.0
+        self.forward_comm = {kind: 0.0 for kind in COMM_KINDS}
+        self.backward_comm = {kind: 0.0 for kind in COMM_KINDS}
+        self.forward_kernels = self.backward_kernels = 0
+        self.selective = 0.0  # forward seconds that selective recompute repeats
+
+    def gemm(self, device: Device, tokens: int, k: int, n: int, batch: int = 1,
+             bias: bool = False) -> tuple[float, float, float]:
+        """A linear layer y[tokens, n] = x[tokens, k] W[k, n]: forward, dgrad (B) and wgrad (W) seconds."""
+        forward = gemm_time(device, tokens, n, k, batch)
+        dgrad = gemm_time(device, tokens, k, n, batch)
+        wgrad = gemm_time(device, k, n, tokens, batch)
+        if bias:
+            wgrad += elementwise_time(device, tokens * n * batch * device.element_bytes)
+        self.forward += forward
+        self.backward_input += dgrad
+        self.backward_weight += wgrad
+        self.forward_kernels += 1
+        self.backward_kernels += 3 if bias else 2
+        return forward, dgrad, wgrad
+
+    def elementwise(self, device: Device, forward_bytes: float, backward_bytes: float,
+                    forward_kernels: int = 1, backward_kernels: int = 1) -> None:
+        self.forward += elementwise_time(device, forward_bytes, forward_kernels)
+        self.backward_input += elementwise_time(device, backward_bytes, backward_kernels)
+        self.forward_kernels += forward_kernels
+        self.backward_kernels += backward_kernels
+
+    def collective(self, kind: str, forward_seconds: float, backward_seconds: float) -> None:
+        self.forward_comm[kind] += forward_seconds
+        self.backward_comm[kind] += backward_seconds
+        self.forward_kernels += 1 if forward_seconds else 0
+        self.backward_kernels += 1 if backward_seconds else 0
+
+    def finish(self, stack: SoftwareStack, recompute: str) -> PassCost:
+        forward_comm = sum(self.forward_comm.values())
+        forward_gpu = self.forward + forward_comm
+        forward = _with_host(forward_gpu, self.forward_kernels, stack)
+        backward_gpu = self.backward_input + self.backward_weight + sum(self.backward_comm.values())
+        backward = _with_host(backward_gpu, self.backward_kernels, stack)
+        # CPU-bound time lands on the input-gradient part; W keeps its pure GPU time.
+        backward_input = backward - self.backward_weight
+        excess = (forward - forward_gpu) + (backward - backward_gpu)
+        redo = redo_compute = 0.0
+        redo_share = 0.0  # how many forwards' worth of communication recompute repeats
+        if recompute == "full":
+            redo, redo_compute, redo_share = forward, self.forward, 1.0
+            excess += forward - forward_gpu
+        elif recompute == "selective":
+            redo = redo_compute = self.selective
+        comm = [self.forward_comm[k] * (1 + redo_share) + self.backward_comm[k] for k in COMM_KINDS]
+        return PassCost(forward, backward_input, self.backward_weight, redo, redo_compute, *comm, excess)
+
+
+def _with_host(gpu: float, kernels: int, stack: SoftwareStack) -> float:
+    """A pass takes the slower of GPU work and CPU kernel issue, plus the part the two cannot overlap.
+
+    Sync points inside a pass (blocking host-to-device copies, NCCL calls waiting for their peers) drain
+    the GPU queue, after which the GPU waits for the CPU to refill it: a share `host_serialization` of
+    the shorter of the two adds on top of the longer.
+    """
+    host = kernels * stack.host_seconds_per_kernel
+    return max(gpu, host) + stack.host_serialization * min(gpu, host)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """Everything that sets the per-layer cost on one rank (the planner caches on this key)."""
+
+    model: ModelSpec
+    seq_len: int  # full sequence length s
+    micro_batch: int  # sequences per micro-batch b
+    tp: int
+    cp: int
+    ep: int
+    sequence_parallel: bool
+    recompute: str
+
+
+def _tp_collectives(work: _Work, num_bytes: float, link: GroupLink, sequence_parallel: bool,
+                    stack: SoftwareStack, gemms: list[tuple[float, float, float]]) -> None:
+    """The TP collectives of one region (attention or MLP): all-reduce, or all-gather + reduce-scatter
+    with SP, forward; the same backward. `gemms` are the region's (forward, dgrad, wgrad) GEMM times,
+    input GEMM first.
+
+    Overlap, when the stack does it: the input-gradient collective runs while the input GEMM computes its
+    weight gradient (Megatron's async TP all-reduce); with `overlap_tp_comm` every collective is cut into
+    chunks pipelined with the region's GEMMs (Transformer Engine userbuffers, PyTorch async TP), leaving
+    one ring step exposed.
+    """
+    if link.size <= 1:
+        return
+    seconds = 2 * all_gather_time(num_bytes, link) if sequence_parallel else all_reduce_time(num_bytes, link)
+    if stack.overlap_tp_comm:
+        forward_cover = sum(g[0] for g in gemms)
+        backward_cover = sum(g[1] + g[2] for g in gemms)
+        floor = seconds / link.size
+        work.collective("tp", max(floor, seconds - forward_cover), max(floor, seconds - backward_cover))
+    else:
+        backward_cover = gemms[0][2] if stack.overlap_tp_backward else 0.0
+        work.collective("tp", seconds, max(0.0, seconds - backward_cover))
+
+
+def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link: GroupLink,
+               cp_link: GroupLink, ep_link: GroupLink) -> PassCost:
+    """One transformer block, one micro-batch, one rank."""
+    m, e, t = shape.model, device.element_bytes, shape.tp
+    b, s_local = shape.micro_batch, shape.seq_len // shape.cp
+    tokens = b * s_local  # tokens of this rank
+    h, d = m.hidden, m.head_dim
+    kv = m.kv_heads * d
+    heads = m.heads // t
+    norm_tokens = tokens // t if shape.sequence_parallel else tokens  # SP shards the non-TP regions
+    dropout = stack.uses_dropout(m)
+    bias = m.norm == "layernorm"  # GPT blocks carry biases, Llama blocks do not
+    hidden_bytes = tokens * h * e  # one activation of the residual stream (unsharded)
+    work = _Work()
+
+    # Attention block: norm, QKV, (rope), core, output projection, TP collective, residual.
+    work.elementwise(device, 2 * norm_tokens * h * e, 3 * norm_tokens * h * e, 1, 2)
+    qkv = work.gemm(device, tokens, h, (h + 2 * kv) // t, bias=bias)
+    if m.position == "rope":
+        rope_bytes = 2 * tokens * (h + kv) // t * e
+        work.elementwise(device, rope_bytes, rope_bytes, 2, 2)
+    if stack.attention == "flash":
+        before = work.forward
+        work.forward += flash_attention_time(device, b * heads, s_local, shape.seq_len, d, True, False)
+        work.backward_input += flash_attention_time(device, b * heads, s_local, shape.seq_len, d, True, True)
+        work.forward_kernels += 1
+        work.backward_kernels += 2
+        # Selective recompute adds nothing here: FlashAttention's backward recomputes the scores itself.
+        if cp_link.size > 1:
+            # Ring attention: each step passes this rank's K and V chunk on and overlaps the next chunk.
+            kv_bytes = 2 * tokens * kv // t * e
+            forward_comm = (cp_link.size - 1) * p2p_time(kv_bytes, cp_link)
+            attention_forward = work.forward - before
+            exposed_forward = max(0.0, forward_comm - attention_forward * (cp_link.size - 1) / cp_link.size)
+            exposed_backward = max(0.0, 2 * forward_comm - attention_forward * 2.5)
+            work.collective("cp", exposed_forward, exposed_backward)
+    else:
+        # Materialized scores (Megatron-LM before FlashAttention): Q K^T, fused scale-mask-softmax,
+        # dropout, P V, each writing or reading the b * heads * s * s score tensor.
+        scores = b * heads * s_local * shape.seq_len
+        start = work.forward
+        work.forward += gemm_time(device, s_local, shape.seq_len, d, b * heads)
+        work.forward += gemm_time(device, s_local, d, shape.seq_len, b * heads)
+        score_bytes = 2 * e + ((2 * e + 1) if dropout else 0)  # softmax read+write, dropout r+w+mask
+        work.forward += elementwise_time(device, scores * score_bytes, 2 if dropout else 1)
+        work.forward += elementwise_time(device, 2 * tokens * h // t * e)  # context permute to [s, b, h]
+        work.selective += work.forward - start
+        # Backward: dP, dV, dQ, dK GEMMs; dropout and softmax backward over the scores.
+        work.backward_input += 2 * gemm_time(device, s_local, shape.seq_len, d, b * heads)
+        work.backward_input += 2 * gemm_time(device, s_local, d, shape.seq_len, b * heads)
+        backward_score_bytes = 3 * e + ((2 * e + 1) if dropout else 0)
+        work.backward_input += elementwise_time(device, scores * backward_score_bytes + 2 * tokens * h // t * e, 3)
+        work.forward_kernels += 6
+        work.backward_kernels += 8
+    projection = work.gemm(device, tokens, h // t, h, bias=bias)
+    _tp_collectives(work, hidden_bytes, tp_link, shape.sequence_parallel, stack, [qkv, projection])
+    residual = 3 * e + (1 if dropout else 0)
+    work.elementwise(device, norm_tokens * h * residual, norm_tokens * h * (2 * e + 1 if dropout else e),
+                     2 if dropout else 1, 1)
+
+    # MLP block: norm, (router, dispatch), up/gate GEMM, activation, down GEMM, (combine), TP, residual.
+    work.elementwise(device, 2 * norm_tokens * h * e, 3 * norm_tokens * h * e, 1, 2)
+    matrices_in = 2 if m.mlp == "swiglu" else 1
+    if m.is_moe:
+        work.gemm(device, tokens, h, m.experts)  # router logits
+        routed = tokens * m.top_k  # token copies processed by experts (balanced routing assumed)
+        local_experts = m.experts // shape.ep
+        per_expert = max(1, routed * shape.ep // m.experts)
+        work.elementwise(device, 4 * routed * h * e, 4 * routed * h * e, 2, 2)  # permute / unpermute
+        if ep_link.size > 1:
+            dispatch = all_to_all_time(routed * h * e, ep_link)
+            work.collective("ep", 2 * dispatch, 2 * dispatch)
+        width = m.expert_ffn_hidden // t
+        up = work.gemm(device, per_expert, h, matrices_in * width, batch=local_experts)
+        act_rows = routed
+    else:
+        width = m.ffn_hidden // t
+        up = work.gemm(device, tokens, h, matrices_in * width, bias=bias)
+        act_rows = tokens
+    activation = (3 * e, 5 * e) if m.mlp == "swiglu" else (2 * e, 3 * e)
+    work.elementwise(device, act_rows * width * activation[0], act_rows * width * activation[1])
+    if m.is_moe:
+        down = work.gemm(device, per_expert, width, h, batch=local_experts)
+    else:
+        down = work.gemm(device, tokens, width, h, bias=bias)
+    _tp_collectives(work, hidden_bytes, tp_link, shape.sequence_parallel, stack, [up, down])
+    work.elementwise(device, norm_tokens * h * residual, norm_tokens * h * (2 * e + 1 if dropout else e),
+                     2 if dropout else 1, 1)
+    return work.finish(stack, shape.recompute)
+
+
+def embedding_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link: GroupLink) -> PassCost:
+    """Token (and learned position) embedding on the first stage; vocab-parallel over TP."""
+    m, e = shape.model, device.element_bytes
+    tokens = shape.micro_batch * shape.seq_len // shape.cp
+    work = _Work()
+    row_bytes = tokens * m.hidden * e
+    extra = 3 * row_bytes if m.position == "learned" else 0
+    # ~12 kernels forward per micro-batch: batch copy to the GPU, position ids, vocab-range masking of
+    # the ids for the vocab-parallel lookup, lookup, position add, dropout; ~6 backward (sorted scatter-add).
+    work.elementwise(device, 2 * row_bytes + extra, 2 * row_bytes + tokens * m.hidden * 4, 12, 6)
+    if tp_link.size > 1:
+        collective = all_gather_time if shape.sequence_parallel else all_reduce_time
+        work.collective("tp", collective(row_bytes, tp_link), 0.0)
+    return work.finish(stack, "none")
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    """Megatron pads the vocabulary to a multiple of 128 x tp so every TP shard is GEMM-friendly."""
+    multiple = 128 * tp
+    return -(-vocab // multiple) * multiple
+
+
+def head_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link: GroupLink) -> PassCost:
+    """Final norm, LM head GEMM and vocab-parallel cross-entropy on the last stage."""
+    m, e, t = shape.model, device.element_bytes, shape.tp
+    tokens = shape.micro_batch * shape.seq_len // shape.cp
+    norm_tokens = tokens // t if shape.sequence_parallel else tokens
+    vocab = padded_vocab(m.vocab, t) // t
+    work = _Work()
+    work.elementwise(device, 2 * norm_tokens * m.hidden * e, 3 * norm_tokens * m.hidden * e, 1, 2)
+    if tp_link.size > 1 and shape.sequence_parallel:
+        seconds = all_gather_time(tokens * m.hidden * e, tp_link)
+        work.collective("tp", seconds, seconds)
+    work.gemm(device, tokens, m.hidden, vocab)
+    # Cross-entropy in fp32: upcast, max, exp-sum, log-softmax (forward); softmax minus one-hot (backward).
+    # Vocab-parallel cross-entropy is a chain of small kernels (max, shift, target masking and gather,
+    # exp, sum, log, loss masking and averaging): ~18 forward, ~8 backward.
+    work.elementwise(device, tokens * vocab * (e + 4 + 4), tokens * vocab * (4 + e), 18, 8)
+    if tp_link.size > 1:
+        work.collective("tp", 3 * all_reduce_time(tokens * 4, tp_link), 0.0)  # max, sum, target logit
+        if not shape.sequence_parallel:
+            work.collective("tp", 0.0, all_reduce_time(tokens * m.hidden * e, tp_link))
+    return work.finish(stack, "none")

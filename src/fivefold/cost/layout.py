@@ -1,0 +1,182 @@
+"""Layout: a Plan's fields without validation, and what each pipeline rank runs on.
+
+The planner enumerates thousands of layouts a second; building and validating a Plan for each would cost
+more than costing it, so it builds Layouts, which reuse Plan's own rank arithmetic (its methods, unbound)
+and so agree with the Plan the winner becomes. For every pipeline rank we find its device (the slowest
+among the devices its ranks sit on) and the links of its TP, CP, EP and data-parallel groups through the
+placement; per-layer costs are cached on everything they depend on.
+"""
+
+from __future__ import annotations
+
+from fivefold.cost.comm import SELF, GroupLink, Topology, topology_of
+from fivefold.cost.compute import Device
+from fivefold.cost.layer import LayerShape, PassCost, embedding_cost, head_cost, layer_cost, padded_vocab
+from fivefold.cost.memory import layer_activation_bytes, layer_transient_bytes
+from fivefold.cost.stack import SoftwareStack
+from fivefold.spec.plan import Plan
+
+
+class Layout:
+    """A Plan's fields without validation or an explicit placement: what the planner enumerates.
+
+    The rank arithmetic is Plan's own (its methods are reused unbound), so both agree by construction.
+    """
+
+    __slots__ = ("model", "cluster", "train", "dp", "tp", "pp", "cp", "ep", "zero", "micro_batch",
+                 "schedule", "virtual_stages", "layers_per_stage", "recompute", "sequence_parallel",
+                 "placement", "num_micro_batches")
+
+    rank_of = Plan.rank_of
+    coords = Plan.coords
+    group_ranks = Plan.group_ranks
+    stage_owner = Plan.stage_owner
+    stages_of = Plan.stages_of
+
+    def __init__(self, **fields: object) -> None:
+        for name in self.__slots__:
+            setattr(self, name, fields[name])
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @classmethod
+    def of_plan(cls, plan: Plan) -> Layout:
+        identity = plan.placement == tuple(range(plan.world_size))
+        return cls(**{name: getattr(plan, name) for name in cls.__slots__ if name != "placement"},
+                   placement=() if identity else plan.placement)
+
+
+_LAYER_CACHE: dict[tuple, tuple[PassCost, PassCost, PassCost, float, float]] = {}
+
+
+class RankEnv:
+    """Device and links of one pipeline rank."""
+
+    __slots__ = ("device", "capacity", "tp", "cp", "ep", "replicas", "expert_replicas")
+
+    def __init__(self, device: Device, capacity: float, tp: GroupLink, cp: GroupLink, ep: GroupLink,
+                 replicas: GroupLink, expert_replicas: GroupLink) -> None:
+        self.device, self.capacity = device, capacity
+        self.tp, self.cp, self.ep, self.replicas, self.expert_replicas = tp, cp, ep, replicas, expert_replicas
+
+
+def _device_index(layout: Layout, rank: int) -> int:
+    return layout.placement[rank] if layout.placement else rank
+
+
+_ENV_CACHE: dict[tuple, tuple[Topology, list[RankEnv]]] = {}
+
+
+def rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
+    """Device and links of every pipeline rank (cached for the default placement)."""
+    key = None
+    if not layout.placement:
+        key = (id(topology), layout.train.dtype, layout.dp, layout.tp, layout.pp, layout.cp, layout.ep)
+        cached = _ENV_CACHE.get(key)
+        if cached is not None and cached[0] is topology:
+            return cached[1]
+    envs = _build_rank_envs(layout, topology)
+    if key is not None:
+        if len(_ENV_CACHE) > 4096:
+            _ENV_CACHE.clear()
+        _ENV_CACHE[key] = (topology, envs)
+    return envs
+
+
+def _build_rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
+    cluster, dtype = layout.cluster, layout.train.dtype
+    homogeneous = cluster.is_homogeneous and not layout.placement
+    envs: list[RankEnv] = []
+    devices: dict[int, Device] = {}
+    for pp_rank in range(layout.pp):
+        if homogeneous and envs:
+            envs.append(envs[0])
+            continue
+        first = layout.rank_of(pp=pp_rank)
+        block = range(first, first + layout.dp * layout.cp * layout.tp)
+        groups = {topology.group_of[_device_index(layout, r)] for r in block}
+        slowest = min(groups, key=lambda g: (cluster.groups[g].device.flops(dtype), g))
+        if slowest not in devices:
+            devices[slowest] = Device(cluster.groups[slowest].device, dtype)
+        capacity = min(cluster.groups[g].device.memory_bytes for g in groups)
+
+        def link(ranks: list[int]) -> GroupLink:
+            return topology.group_link([_device_index(layout, r) for r in ranks])
+
+        replicas = [layout.rank_of(pp=pp_rank, dp=i, cp=j) for i in range(layout.dp) for j in range(layout.cp)]
+        ep = layout.ep
+        envs.append(RankEnv(devices[slowest], capacity, link(layout.group_ranks("tp", first)),
+                             link(layout.group_ranks("cp", first)), link(replicas[:ep]) if ep > 1 else SELF,
+                             link(replicas), link(replicas[::ep]) if ep > 1 else link(replicas)))
+    return envs
+
+
+def layer_costs(layout: Layout, env: RankEnv, stack: SoftwareStack):
+    """(layer, embedding, head) PassCosts and (activation, transient) bytes of one layer, cached."""
+    shape = LayerShape(layout.model, layout.train.seq_len, layout.micro_batch, layout.tp, layout.cp, layout.ep,
+                       layout.sequence_parallel, layout.recompute)
+    device = env.device
+    key = (shape, device.spec.name, device.peak, device.bandwidth, device.element_bytes, stack, env.tp, env.cp,
+           env.ep)
+    cached = _LAYER_CACHE.get(key)
+    if cached is None:
+        if len(_LAYER_CACHE) > 20000:
+            _LAYER_CACHE.clear()
+        dropout = stack.uses_dropout(layout.model)
+        cached = (layer_cost(shape, device, stack, env.tp, env.cp, env.ep),
+                  embedding_cost(shape, device, stack, env.tp), head_cost(shape, device, stack, env.tp),
+                  layer_activation_bytes(shape, dropout, stack.attention, device.element_bytes),
+                  layer_transient_bytes(shape, dropout, stack.attention, device.element_bytes))
+        _LAYER_CACHE[key] = cached
+    return cached
+
+
+def layer_work(layout: Layout, stack: SoftwareStack) -> tuple[PassCost, PassCost, PassCost]:
+    """(one layer, embedding, LM head) costs for one micro-batch on pipeline rank 0 (the planner's bounds)."""
+    env = rank_envs(layout, topology_of(layout.cluster))[0]
+    return layer_costs(layout, env, stack)[:3]
+
+
+def stage_params(layout: Layout, layers: int, first: bool, last: bool,
+                 holds_embedding: bool = False) -> tuple[float, float]:
+    """(dense, expert) parameters one TP rank of a stage holds.
+
+    `holds_embedding`: the rank running this (last) stage also runs the first one (zbv puts both ends on
+    rank 0), so a tied LM head can use the embedding matrix itself instead of a copy."""
+    m, t = layout.model, layout.tp
+    per_layer = m.params_per_layer()
+    expert = 0.0
+    if m.is_moe:
+        matrices = 3 if m.mlp == "swiglu" else 2
+        all_experts = m.experts * matrices * m.hidden * m.expert_ffn_hidden
+        expert = layers * all_experts / (layout.ep * t)
+        per_layer -= all_experts
+    dense = layers * per_layer / t
+    vocab_rows = padded_vocab(m.vocab, t) * m.hidden / t
+    if first:
+        dense += vocab_rows + (m.max_seq_len * m.hidden if m.position == "learned" else 0)
+    if last:
+        # An untied head has its own matrix; a tied one needs a copy when the embedding is elsewhere.
+        if not m.tied_embeddings or not (first or holds_embedding):
+            dense += vocab_rows
+        dense += m.hidden if m.norm == "rmsnorm" else 2 * m.hidden
+    return dense, expert
+
+
+_OWNERS: dict[tuple, list[int]] = {}
+
+
+def stage_owners(schedule: str, pp: int, virtual_stages: int) -> list[int]:
+    """The pipeline rank of every virtual stage (Plan.stage_owner), cached."""
+    key = (schedule, pp, virtual_stages)
+    if key not in _OWNERS:
+        shape = Layout(**{name: None for name in Layout.__slots__})
+        shape.schedule, shape.pp, shape.virtual_stages = schedule, pp, virtual_stages
+        _OWNERS[key] = [shape.stage_owner(i) for i in range(pp * virtual_stages)]
+    return _OWNERS[key]

@@ -1,0 +1,127 @@
+"""Memory of one rank: model states (ZeRO), activations (Korthikanti), and what the schedule keeps in flight.
+
+Model states follow ZeRO (Rajbhandari et al. 2020): with Adam and 16-bit mixed precision each parameter
+costs 2 bytes of weights, 2 of gradients and 12 of optimizer state (fp32 master copy, momentum,
+variance); stage 1 shards the optimizer state over the N data-parallel ranks, stage 2 also the
+gradients, stage 3 also the weights: 16, 4 + 12/N, 2 + 14/N, 16/N bytes per parameter. fp32 training
+keeps no master copy: 4 + 4 + 8.
+
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models"), which for a GPT layer stores s*b*h*(34 + 5*a*s/h) bytes, and with tensor parallelism t
+s*b*h*(10 + 24/t + 5*a*s/(h*t)). We rebuild that sum tensor by tensor so it also covers GQA (smaller K, V),
+SwiGLU (three MLP tensors), MoE (top_k token copies), models without dropout (no masks), context
+parallelism (s/cp tokens per rank) and fused attention (no s x s score tensors). For a GPT layer with
+materialized scores it reduces exactly to their formulas (tests check this).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.cost.layer import LayerShape
+
+GIB = 2**30
+
+
+def zero_model_state_bytes(num_params: float, dtype: str, zero: int, shard: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes of `num_params` parameters on one rank."""
+    if dtype == "fp32":
+        weights, grads, optimizer = 4.0, 4.0, 8.0
+    else:
+        weights, grads, optimizer = 2.0, 2.0, 12.0
+    if zero >= 1:
+        optimizer /= shard
+    if zero >= 2:
+        grads /= shard
+    if zero >= 3:
+        weights /= shard
+    return num_params * weights, num_params * grads, num_params * optimizer
+
+
+def korthikanti_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                                 sequence_parallel: bool = False, recompute: str = "none") -> float:
+    """Korthikanti et al. 2022, activation bytes of one GPT layer (their Table 2), verbatim."""
+    s, b, h, a, t = float(seq_len), float(micro_batch), float(hidden), float(heads), float(tp)
+    if recompute == "full":
+        return 2 * s * b * h / (t if sequence_parallel else 1)
+    scores = 0.0 if recompute == "selective" else 5 * a * s / h
+    if sequence_parallel:
+        return s * b * h / t * (34 + scores)
+    return s * b * h * (10 + 24 / t + scores / t)
+
+
+def layer_activation_bytes(shape: LayerShape, dropout: bool, attention: str, element_bytes: int) -> float:
+    """Bytes one layer keeps from forward to backward for one micro-batch on one rank."""
+    m, e, t = shape.model, element_bytes, shape.tp
+    tokens = shape.micro_batch * shape.seq_len // shape.cp
+    h = m.hidden
+    replicated_share = 1.0 / t if shape.sequence_parallel else 1.0
+    if shape.recompute == "full":
+        return e * tokens * h * replicated_share  # the layer input only
+    kv = m.kv_heads * m.head_dim
+    mask = 1 if dropout else 0
+    copies = m.top_k if m.is_moe else 1  # each token visits top_k experts
+    # Outside the TP regions: two norm inputs, QKV input, MLP input (per expert copy), two dropout masks.
+    replicated = tokens * h * (3 * e + e * copies + 2 * mask)
+    # Inside: Q, K, V; attention output (projection input); MLP hidden tensors.
+    width = m.expert_ffn_hidden if m.is_moe else m.ffn_hidden
+    mlp_tensors = 3 if m.mlp == "swiglu" else 2
+    sharded = tokens * (e * (h + 2 * kv) + e * h + copies * e * mlp_tensors * width)
+    if m.is_moe:
+        replicated += tokens * m.experts * 4  # fp32 router probabilities
+    if attention == "unfused" and shape.recompute != "selective":
+        # Softmax output, dropout mask and dropout output of the b x heads x s x s scores.
+        sharded += shape.micro_batch * m.heads * (shape.seq_len // shape.cp) * shape.seq_len * (e + mask * (1 + e))
+    elif attention == "flash":
+        sharded += tokens * m.heads * 4  # fp32 log-sum-exp per query row
+    return replicated * replicated_share + sharded / t
+
+
+def layer_transient_bytes(shape: LayerShape, dropout: bool, attention: str, element_bytes: int) -> float:
+    """Extra memory while one layer runs backward: under full recompute its activations come back."""
+    if shape.recompute != "full":
+        return 0.0
+    from dataclasses import replace
+
+    return layer_activation_bytes(replace(shape, recompute="none"), dropout, attention, element_bytes)
+
+
+def in_flight_chunks(schedule: str, pp: int, virtual_stages: int, micro_batches: int, pp_rank: int) -> float:
+    """Micro-batches whose activations one pipeline rank holds at its peak, in units of one model chunk.
+
+    gpipe: all m. 1f1b and zb-h1 (Qi et al. 2024: same peak as 1F1B): p - r on rank r. Interleaved
+    (Megatron's warmup count + 1): 2 (p - r - 1) + (v - 1) p + 1 chunks, i.e. (1 + (p-1)/(p v)) of 1F1B on
+    rank 0 (Narayanan et al. 2021). zbv (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"):
+    the V shape holds p micro-batches on every rank, 2p half-size chunks.
+    """
+    m, p, v = micro_batches, pp, virtual_stages
+    if p == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m * v)
+    if schedule == "interleaved-1f1b":
+        return float(min(m * v, 2 * (p - pp_rank - 1) + (v - 1) * p + 1))
+    if schedule == "zbv":
+        return float(min(2 * m, 2 * p))
+    return float(min(m, p - pp_rank))
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Peak bytes of one pipeline rank, by kind."""
+
+    params: float  # weights (after ZeRO-3 sharding)
+    grads: float  # gradients (after ZeRO-2 sharding)
+    optimizer: float  # optimizer state (after ZeRO-1 sharding)
+    activations: float  # in-flight micro-batches' stored activations
+    transient: float  # working memory: recomputed layer, logits, gathered ZeRO-3 weights
+    reserved: float  # CUDA context, workspaces
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.transient + self.reserved
+
+    def to_dict(self) -> dict:
+        return {"peak": self.total / GIB, "params": self.params / GIB, "grads": self.grads / GIB,
+                "optimizer": self.optimizer / GIB, "activations": self.activations / GIB,
+                "transient": self.transient / GIB, "reserved": self.reserved / GIB}

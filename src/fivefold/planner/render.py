@@ -1,0 +1,90 @@
+"""Terminal output of `fivefold estimate` and `fivefold plan` (rich tables; imported by the CLI only)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fivefold.cost.step import Estimate
+    from fivefold.planner.search import SearchResult
+
+GIB = 2**30
+BREAKDOWN_LABELS = {
+    "compute": "compute (GEMMs, attention, element-wise)", "recompute": "activation recompute",
+    "tp_comm": "tensor-parallel communication", "cp_comm": "context-parallel communication",
+    "ep_comm": "expert-parallel all-to-all", "host_overhead": "waiting on kernel launches (CPU)",
+    "pp_comm": "pipeline transfers (fill/drain)", "bubble": "pipeline bubble",
+    "dp_comm": "data-parallel / ZeRO communication (exposed)", "optimizer": "optimizer step",
+}
+
+
+def _time(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} us"
+
+
+def _rate(tokens_per_s: float) -> str:
+    return f"{tokens_per_s / 1e6:.2f}M" if tokens_per_s >= 1e6 else f"{tokens_per_s:,.0f}"
+
+
+def estimate_renderables(estimate: Estimate, title: str) -> list:
+    """Summary, time breakdown, memory and (with a pipeline) per-stage tables."""
+    from rich.table import Table
+
+    summary = Table(title=title, show_header=False, title_justify="left")
+    summary.add_column(style="bold")
+    summary.add_column(justify="right")
+    summary.add_row("step time", _time(estimate.step_time_s))
+    summary.add_row("tokens/s", f"{_rate(estimate.tokens_per_s)}  ({_rate(estimate.tokens_per_s / estimate.world_size)}"
+                    " per GPU)")
+    summary.add_row("model TFLOP/s per GPU", f"{estimate.model_tflops_per_gpu:.1f}  (with recompute "
+                    f"{estimate.hardware_tflops_per_gpu:.1f})")
+    summary.add_row("MFU", f"{estimate.mfu:.1%}")
+    summary.add_row("pipeline bubble", f"{estimate.bubble_fraction:.1%} of the step")
+    verdict = "[green]fits[/green]" if estimate.fits else "[red]does NOT fit[/red]"
+    summary.add_row("memory per GPU", f"{estimate.memory.total / GIB:.1f} GiB of {estimate.capacity_bytes / GIB:.1f}"
+                    f" GiB on pipeline stage {estimate.peak_pp_rank}: {verdict}")
+
+    breakdown = Table(title="where the step time goes (slowest pipeline rank)", title_justify="left")
+    breakdown.add_column("part")
+    breakdown.add_column("time", justify="right")
+    breakdown.add_column("share", justify="right")
+    for key, seconds in estimate.breakdown_s.items():
+        if seconds > 0:
+            breakdown.add_row(BREAKDOWN_LABELS.get(key, key), _time(seconds), f"{seconds / estimate.step_time_s:.1%}")
+
+    memory = Table(title=f"memory of the fullest GPU (pipeline stage {estimate.peak_pp_rank})", title_justify="left")
+    memory.add_column("part")
+    memory.add_column("GiB", justify="right")
+    for key, value in estimate.memory.to_dict().items():
+        memory.add_row(key, f"{value:.2f}")
+    out = [summary, breakdown, memory]
+    if len(estimate.stage_costs) > 1:
+        stages = Table(title="per stage, one micro-batch", title_justify="left")
+        for column in ("stage", "rank", "layers", "forward", "backward (B)", "backward (W)", "send", "act. GiB",
+                       "states GiB"):
+            stages.add_column(column, justify="right")
+        indexed = list(enumerate(estimate.stage_costs))
+        shown = indexed if len(indexed) <= 16 else indexed[:8] + indexed[-8:]
+        for index, stage in shown:
+            stages.add_row(str(index), str(stage.pp_rank), str(stage.layers), _time(stage.forward),
+                           _time(stage.backward_input), _time(stage.backward_weight), _time(stage.send_activation),
+                           f"{stage.activation_bytes / GIB:.2f}", f"{stage.static_bytes / GIB:.2f}")
+        out.append(stages)
+    return out
+
+
+def plan_renderables(result: SearchResult, title: str) -> list:
+    """The ranked table of a search."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for column, justify in (("#", "right"), ("plan", "left"), ("tokens/s", "right"), ("per GPU", "right"),
+                            ("MFU", "right"), ("GiB/GPU", "right"), ("bubble", "right"), ("step", "right")):
+        table.add_column(column, justify=justify)
+    for rank, candidate in enumerate(result.candidates, 1):
+        e = candidate.estimate
+        table.add_row(str(rank), candidate.plan.describe(), _rate(e.tokens_per_s), _rate(e.tokens_per_s / e.world_size),
+                      f"{e.mfu:.1%}", f"{e.memory.total / GIB:.1f}", f"{e.bubble_fraction:.1%}", _time(e.step_time_s))
+    return [table]
