@@ -29,7 +29,35 @@ def test_quick_profile_writes_a_usable_cluster_file(tmp_path, capsys):
     assert 0 < cluster.groups[0].intra_node_latency < 0.1
     import tomllib
     data = tomllib.loads(out.read_text())
-    kinds = {point["collective"] for point in data["profile"]["collective"]}
+    kinds = {point["collective"] for point in data["cluster"]["group"][0]["calibration"]["collective"]}
     assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
-    sizes = sorted({p["message_bytes"] for p in data["profile"]["collective"]})
+    sizes = sorted({p["message_bytes"] for p in data["cluster"]["group"][0]["calibration"]["collective"]})
     assert sizes[0] == 4096 and sizes[-1] == 4 * 2**20
+    assert len(cluster.groups[0].calibration.gemm) >= 10 and len(cluster.groups[0].calibration.collectives) == 30
+
+
+def test_calibration_round_trips_through_a_plan(tmp_path):
+    from fivefold.spec import PRESETS, Plan, TrainSpec, load_plan
+
+    path = tmp_path / "cluster.toml"
+    path.write_text("""
+[[cluster.group]]
+nodes = 1
+gpus_per_node = 2
+device = "cpu"
+[cluster.group.calibration]
+source = "test"
+gemm = [{m = 64, n = 64, k = 64, dtype = "fp32", flops_per_s = 2e10},
+        {m = 512, n = 512, k = 512, dtype = "fp32", flops_per_s = 9e10}]
+collective = [{collective = "all_reduce", ranks = 2, message_bytes = 4096, seconds = 1e-4}]
+""")
+    cluster = parse_cluster(str(path))
+    calibration = cluster.groups[0].calibration
+    assert calibration.gemm[1] == (512, 512, 512, "fp32", 9e10)
+    assert calibration.collectives[0] == ("all_reduce", 2, 4096, 1e-4)
+    plan = Plan(model=PRESETS["tiny"], cluster=cluster, train=TrainSpec(global_batch=4), dp=2)
+    plan.save(tmp_path / "plan.toml")
+    assert load_plan(tmp_path / "plan.toml") == plan
+    path.write_text(path.read_text().replace("flops_per_s = 2e10", "flops = 2e10"))
+    with pytest.raises(Exception, match="calibration"):
+        parse_cluster(str(path))

@@ -11,7 +11,7 @@ import datetime
 import os
 import platform
 import socket
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -53,6 +53,13 @@ class Profile:
                  "peak_tflops": {k: v / 1e12 for k, v in self.peak_flops().items()},
                  "memory_bandwidth": format_bandwidth(self.memory_bandwidth),
                  "mem": format_size(self.memory_bytes)}
+        group["calibration"] = {
+            "source": f"fivefold profile on {self.host}, {self.date}",
+            "gemm": [{"m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype, "flops_per_s": p.flops_per_s}
+                     for p in self.gemm],
+            "collective": [{"collective": p.collective, "ranks": p.ranks, "message_bytes": p.message_bytes,
+                            "seconds": p.seconds} for p in self.collectives],
+        }
         bandwidth, latency = self.link()
         if bandwidth:
             group["nvlink"] = format_bandwidth(bandwidth)
@@ -62,8 +69,9 @@ class Profile:
             "profile": {
                 "host": self.host, "date": self.date, "device": self.device, "processes": self.processes,
                 "quick": self.quick, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-                "gemm": [asdict(p) for p in self.gemm],
-                "collective": [asdict(p) for p in self.collectives],
+                "memory_bandwidth": self.memory_bandwidth,
+                "bus_bandwidth": [{"collective": p.collective, "message_bytes": p.message_bytes,
+                                   "bus_bandwidth": p.bus_bandwidth} for p in self.collectives],
             },
         }
 

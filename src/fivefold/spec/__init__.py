@@ -1,11 +1,11 @@
 """Typed, validated descriptions of models, devices, clusters, training and plans. No torch here."""
 
-from fivefold.spec.cluster import ClusterSpec, Link, NodeGroup, parse_cluster
+from fivefold.spec.cluster import Calibration, ClusterSpec, Link, NodeGroup, parse_cluster
 from fivefold.spec.devices import CATALOG, DeviceSpec, device_named
 from fivefold.spec.model import PRESETS, ModelSpec, parse_model
 from fivefold.spec.plan import MESH_DIMS, RECOMPUTE, SCHEDULES, Plan, divisors, load_plan, plan_from_dict
 from fivefold.spec.train import TrainSpec
 
-__all__ = ["CATALOG", "ClusterSpec", "DeviceSpec", "Link", "MESH_DIMS", "ModelSpec", "NodeGroup", "PRESETS",
+__all__ = ["CATALOG", "Calibration", "ClusterSpec", "DeviceSpec", "Link", "MESH_DIMS", "ModelSpec", "NodeGroup", "PRESETS",
            "Plan", "RECOMPUTE", "SCHEDULES", "TrainSpec", "device_named", "divisors", "load_plan",
            "parse_cluster", "parse_model", "plan_from_dict"]

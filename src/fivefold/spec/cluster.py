@@ -23,6 +23,33 @@ GROUP_KEYS = ("nvlink", "nic", "mem", "nvlink_latency", "nic_latency")
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """Curves measured by `fivefold profile` on one device type; the cost model interpolates over them."""
+
+    gemm: tuple[tuple[int, int, int, str, float], ...] = ()  # (m, n, k, dtype, FLOP/s)
+    collectives: tuple[tuple[str, int, int, float], ...] = ()  # (collective, ranks, message bytes, seconds)
+    source: str = ""  # where and when it was measured
+
+    def to_dict(self) -> dict:
+        return {"source": self.source,
+                "gemm": [{"m": m, "n": n, "k": k, "dtype": d, "flops_per_s": f} for m, n, k, d, f in self.gemm],
+                "collective": [{"collective": c, "ranks": r, "message_bytes": b, "seconds": t}
+                               for c, r, b, t in self.collectives]}
+
+
+def calibration_from_dict(data: dict, where: str) -> Calibration:
+    try:
+        gemm = tuple((int(p["m"]), int(p["n"]), int(p["k"]), str(p["dtype"]), float(p["flops_per_s"]))
+                     for p in data.get("gemm", []))
+        collectives = tuple((str(p["collective"]), int(p["ranks"]), int(p["message_bytes"]), float(p["seconds"]))
+                            for p in data.get("collective", []))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SpecError(f"{where}.calibration", type(exc).__name__, f"malformed measured point ({exc}); "
+                        "regenerate the file with `fivefold profile`") from None
+    return Calibration(gemm, collectives, str(data.get("source", "")))
+
+
+@dataclass(frozen=True)
 class NodeGroup:
     """`nodes` identical nodes of `gpus_per_node` devices each."""
 
@@ -33,6 +60,7 @@ class NodeGroup:
     network_bandwidth: float  # bytes/s per node, one direction
     intra_node_latency: float  # seconds
     network_latency: float  # seconds
+    calibration: Calibration | None = None  # measured curves from `fivefold profile`, if any
 
     @property
     def world_size(self) -> int:
@@ -128,6 +156,8 @@ class ClusterSpec:
                 entry["peak_tflops"] = {k: v / 1e12 for k, v in g.device.peak_flops.items()}
             if base is None or g.device.memory_bandwidth != base.memory_bandwidth:
                 entry["memory_bandwidth"] = format_bandwidth(g.device.memory_bandwidth)
+            if g.calibration is not None:
+                entry["calibration"] = g.calibration.to_dict()
             groups.append(entry)
         out: dict = {"group": groups}
         if self.between_groups_bandwidth is not None:
@@ -162,6 +192,7 @@ def _make_group(nodes: int, gpus: int, device: DeviceSpec, settings: dict, where
         if "nvlink_latency" in settings else device.intra_node_latency,
         network_latency=parse_time(settings["nic_latency"], f"{where}.nic_latency")
         if "nic_latency" in settings else device.network_latency,
+        calibration=calibration_from_dict(settings["calibration"], where) if "calibration" in settings else None,
     )
 
 
@@ -192,7 +223,7 @@ def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
     entries = data.get("group")
     require(isinstance(entries, list) and len(entries) > 0, f"{where}.group", entries,
             "write one or more [[cluster.group]] tables with nodes, gpus_per_node, device")
-    allowed = set(GROUP_KEYS) | {"nodes", "gpus_per_node", "device", "peak_tflops", "memory_bandwidth"}
+    allowed = set(GROUP_KEYS) | {"nodes", "gpus_per_node", "device", "peak_tflops", "memory_bandwidth", "calibration"}
     groups = []
     for index, entry in enumerate(entries):
         here = f"{where}.group[{index}]"
