@@ -112,31 +112,249 @@ def print_json(obj: Any) -> None:
 
 
 def console():
+    """Rich console on stdout; when piped (logs, CI, README examples) use a wide page instead of 80 columns."""
+    import os
+
     from rich.console import Console
 
-    return Console(stderr=False, highlight=False)
+    wide = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 132
+    return Console(stderr=False, highlight=False, width=wide)
 
 
 # --- verbs -------------------------------------------------------------------------------------
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    raise NotBuilt("fivefold plan: the planner is not built yet (issue 3)")
+    from fivefold.cost import stack_named
+    from fivefold.planner import Choices, search
+
+    model, cluster, train = specs_from_args(args)
+    layers = None
+    if args.layers_per_stage:
+        try:
+            layers = tuple(int(x) for x in args.layers_per_stage.split(","))
+        except ValueError:
+            raise SpecError("--layers-per-stage", args.layers_per_stage, "write integers separated by commas") from None
+    choices = Choices(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, micro_batch=args.micro_batch,
+                      schedule=args.schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
+                      sequence_parallel=args.sequence_parallel, zero=args.zero, layers_per_stage=layers)
+
+    def progress(done: int, total: int, seconds: float) -> None:
+        print(f"searching: {done}/{total} degree splits in {seconds:.1f} s", file=sys.stderr, flush=True)
+
+    result = search(model, cluster, train, choices, headroom=args.headroom, top=args.top,
+                    stack=stack_named(args.stack), progress=progress)
+    simulated: dict[int, float] = {}
+    if args.simulate_top > 0:
+        import fivefold.sim
+
+        rerank = getattr(fivefold.sim, "rerank", None)
+        if rerank is None:
+            print("note: --simulate-top: simulation re-ranking is not available yet; ranking by the cost model",
+                  file=sys.stderr)
+        else:
+            # rerank(plans, n) -> [(plan, simulation)] for the first n, fastest simulated first.
+            by_plan = {id(c.plan): c for c in result.candidates}
+            reranked = rerank([c.plan for c in result.candidates], args.simulate_top)
+            simulated = {id(plan): sim.step_time_s for plan, sim in reranked}
+            result.candidates = [by_plan[id(plan)] for plan, _ in reranked] + [
+                c for c in result.candidates if id(c.plan) not in simulated]
+            if len(result.candidates) > 1:
+                from fivefold.planner.explain import explain_difference
+
+                result.explanation = explain_difference(result.candidates[0], result.candidates[1])
+    if args.out:
+        result.candidates[0].plan.save(args.out)
+    if args.json:
+        ranked = []
+        for rank, candidate in enumerate(result.candidates, 1):
+            entry = {k: v for k, v in candidate.estimate.to_dict().items() if k != "stages"}
+            if id(candidate.plan) in simulated:
+                entry["simulated_step_time_s"] = simulated[id(candidate.plan)]
+            ranked.append({"rank": rank, **entry, "layout": candidate.plan.to_dict()["plan"]})
+        print_json({"model": model.name, "cluster": cluster.label, "candidates": ranked,
+                    "explanation": result.explanation, "examined": result.examined, "costed": result.costed,
+                    "seconds": result.seconds, "candidates_per_s": result.candidates_per_s, "out": args.out})
+        return 0
+    from fivefold.planner.render import plan_renderables
+
+    out = console()
+    title = (f"{model.name} on {cluster.label} ({cluster.world_size} GPUs), seq {train.seq_len}, "
+             f"global batch {train.global_batch}, {train.dtype}: best {len(result.candidates)} plans that fit")
+    for renderable in plan_renderables(result, title):
+        out.print(renderable)
+    if simulated:
+        times = [f"#{i} {simulated[id(c.plan)]:.3f} s" for i, c in enumerate(result.candidates, 1)
+                 if id(c.plan) in simulated]
+        out.print(f"re-ranked the best {len(simulated)} by simulated step time: " + ", ".join(times))
+    out.print(f"why #1: {result.explanation}")
+    out.print(f"searched {result.examined:,} candidate plans ({result.costed:,} costed in full) in "
+              f"{result.seconds:.2f} s: {result.candidates_per_s:,.0f} candidates/s")
+    if args.out:
+        out.print(f"wrote the best plan to {args.out}")
+    return 0
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    raise NotBuilt("fivefold estimate: the cost model is not built yet (issue 3)")
+    from fivefold.cost import estimate, stack_named
+
+    plan = plan_from_args(args)
+    result = estimate(plan, stack_named(args.stack))
+    if args.json:
+        print_json(result.to_dict())
+        return 0
+    from fivefold.planner.render import estimate_renderables
+
+    out = console()
+    title = (f"{plan.model.name} on {plan.cluster.label}, seq {plan.train.seq_len}, global batch "
+             f"{plan.train.global_batch}, {plan.train.dtype}: {plan.describe()}")
+    for renderable in estimate_renderables(result, title):
+        out.print(renderable)
+    return 0
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    raise NotBuilt("fivefold simulate: the simulator is not built yet (issue 5)")
+    from pathlib import Path
+
+    from fivefold.cost import estimate as estimate_plan
+    from fivefold.sim import parse_stage_times, simulate_plan, write_chrome_trace, write_timeline_png
+
+    plan = plan_from_args(args)
+    stage_scale = parse_stage_times(args.stage_time, plan.num_stages)
+    estimate = estimate_plan(plan)
+    result = simulate_plan(plan, stage_scale, estimate=estimate)
+    out_dir = Path(args.out_dir)
+    trace_path = write_chrome_trace(result, out_dir / "trace.json")
+    png_path = write_timeline_png(result, out_dir / "timeline.png")
+    if args.json:
+        print_json({**result.to_dict(), "estimate_step_time_s": estimate.step_time_s,
+                    "trace": str(trace_path), "timeline": str(png_path)})
+        return 0
+    from rich.table import Table
+
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.4g} ms"
+
+    out = console()
+    out.print(f"[bold]{result.title}[/bold]", soft_wrap=True)
+    compared = "" if stage_scale else f" (estimate: {ms(estimate.step_time_s)})"
+    out.print(f"step {ms(result.step_time_s)}{compared}, pipeline {ms(result.pipeline_time_s)}", soft_wrap=True)
+    out.print(f"{result.schedule}, {result.micro_batches} micro-batches, pipeline bubble "
+              f"{result.bubble_fraction:.1%} of the busiest rank's work", soft_wrap=True)
+    table = Table(box=None, pad_edge=False)
+    for column in ("rank", "busy", "comm (exposed)", "idle", "bubble", "peak memory"):
+        table.add_column(column, justify="left" if column == "rank" else "right")
+    for rank in result.ranks:
+        table.add_row(rank.label.replace("\n", " "), f"{rank.busy_s / result.step_time_s:.0%}",
+                      f"{rank.exposed_comm_s / result.step_time_s:.0%}", f"{rank.idle_s / result.step_time_s:.0%}",
+                      f"{rank.bubble_fraction:.1%}", f"{rank.peak_memory_bytes / 2**30:.3g} GiB")
+    out.print(table)
+    out.print(f"wrote {trace_path} (open in https://ui.perfetto.dev)", soft_wrap=True)
+    out.print(f"wrote {png_path}", soft_wrap=True)
+    return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    raise NotBuilt("fivefold train: the runtime is not built yet (issue 4)")
+    from pathlib import Path
+
+    for flag, given in (("--checkpoint-dir", args.checkpoint_dir), ("--checkpoint-every", args.checkpoint_every),
+                        ("--resume", args.resume), ("--init-from-hf", args.init_from_hf), ("--trace", args.trace)):
+        if given:
+            raise NotBuilt(f"fivefold train {flag}: checkpoints and traces are not in the runtime yet (issues 6, 9)")
+    from fivefold.runtime import RunConfig, check_runnable, launch, torchrun_command
+    from fivefold.runtime.launch import WorkerFailed, check_data, nodes_of, resolve_device
+
+    # Everything that can be wrong with the plan, the flags or the data fails here, before any process starts.
+    plan = plan_from_args(args)
+    device, gpus = resolve_device(args.device)
+    nproc = args.nproc if args.nproc is not None else plan.world_size
+    check_runnable(plan, nproc, device, gpus)
+    if args.steps < 1:
+        raise SpecError("--steps", args.steps, "must be at least 1")
+    check_data(plan, args.data, args.tokenizer)
+    plan_file = args.plan
+    if args.metrics_file:  # the run folder keeps its plan, for `fivefold report`
+        run_dir = Path(args.metrics_file).parent
+        run_dir.mkdir(parents=True, exist_ok=True)
+        plan.save(run_dir / "plan.toml")
+        plan_file = plan_file or str(run_dir / "plan.toml")
+    config = RunConfig(plan_toml=plan.to_toml(), steps=args.steps, seed=args.seed, lr=args.lr,
+                       warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, data=args.data,
+                       tokenizer=args.tokenizer, device=device,
+                       metrics_file=args.metrics_file, progress_to_stderr=args.json)
+    info = sys.stderr if args.json else sys.stdout
+    nodes, per_node = nodes_of(plan)
+    print(f"on several machines, run on each: {torchrun_command(plan_file or 'PLAN.toml', config, nodes, per_node)}",
+          file=info, flush=True)
+    try:
+        summary = launch([config], nproc, max_restarts=args.max_restarts)[0]
+    except WorkerFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print_json(summary)
+        return 0
+    print(f"done: {summary['steps']} steps of {summary['plan']}, final loss {summary['final_loss']:.4f}, "
+          f"{summary['tokens_per_s']:,.0f} tok/s, mfu {100 * summary['mfu']:.2f}%, "
+          f"peak memory {summary['peak_memory_gib']:.2f} GiB"
+          + (f"; metrics in {args.metrics_file}" if args.metrics_file else ""))
+    return 0
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    raise NotBuilt("fivefold profile: hardware profiling is not built yet (issue 9)")
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from fivefold.profile.collectives import COLLECTIVES, message_sizes
+    from fivefold.profile.kernels import gemm_shapes
+    from fivefold.profile.run import run_profile
+
+    if args.nproc < 1:
+        raise SpecError("--nproc", args.nproc, "must be at least 1 (2 or more also measures collectives)")
+    dtypes = 3 if _cuda_available() else 2
+    total = dtypes * len(gemm_shapes(args.quick)) + 1
+    if args.nproc > 1:
+        total += len(COLLECTIVES) * len(message_sizes(args.quick))
+    with Progress(console=console_err(), transient=True, disable=args.json) as progress:
+        task = progress.add_task("profiling", total=total)
+
+        def on_step(kind: str, item: object) -> None:
+            what = {"gemm": lambda p: f"GEMM {p.m}x{p.n}x{p.k} {p.dtype}", "memory": lambda p: "memory bandwidth",
+                    "collective": lambda p: f"{p.collective} {p.message_bytes} B"}[kind](item)
+            progress.update(task, advance=1, description=what)
+
+        profile = run_profile(args.nproc, args.quick, on_step=on_step)
+    profile.save(args.out)
+    if args.json:
+        print_json({**profile.to_dict(), "out": args.out})
+        return 0
+    out = console()
+    table = Table(title=f"fivefold profile: {profile.device}, {profile.processes} processes", box=None)
+    for column in ("what", "measured"):
+        table.add_column(column)
+    for dtype, flops in profile.peak_flops().items():
+        table.add_row(f"best GEMM {dtype}", f"{flops / 1e12:.3g} TFLOP/s")
+    table.add_row("memory bandwidth", f"{profile.memory_bandwidth / 1e9:.3g} GB/s")
+    for collective in COLLECTIVES:
+        points = [p for p in profile.collectives if p.collective == collective]
+        if points:
+            table.add_row(f"{collective}", f"{points[-1].bus_bandwidth / 1e9:.3g} GB/s bus at "
+                          f"{points[-1].message_bytes >> 20} MiB, {points[0].seconds * 1e6:.0f} us at "
+                          f"{points[0].message_bytes >> 10} KiB")
+    out.print(table)
+    out.print(f"wrote {args.out}; use it with --cluster {args.out}")
+    return 0
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def console_err():
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -144,7 +362,29 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    raise NotBuilt("fivefold convert: checkpoint conversion is not built yet (issue 6)")
+    if bool(args.from_hf) == bool(args.to_hf):
+        raise SpecError("--from-hf/--to-hf", args.from_hf or args.to_hf, "give exactly one of the two")
+    if not args.out:
+        raise SpecError("--out", None, "required: the checkpoint (with --from-hf) or folder (with --to-hf) to write")
+    from fivefold.checkpoint.hf import convert_from_hf, convert_to_hf
+    from fivefold.checkpoint.layout import read_checkpoint_info
+
+    if args.from_hf:
+        out = convert_from_hf(args.from_hf, args.out)
+        spec, kind = read_checkpoint_info(out)["model"], "fivefold checkpoint"
+    else:
+        out = convert_to_hf(args.to_hf, args.out)
+        from fivefold.checkpoint.hf import read_hf_config
+
+        spec, kind = read_hf_config(out)[1], "Hugging Face Llama folder"
+    files = sorted(p.name for p in out.iterdir() if p.is_file())
+    if args.json:
+        print_json({"out": str(out), "kind": kind, "model": spec.to_dict(), "params": spec.num_params(),
+                    "files": files})
+    else:
+        console().print(f"wrote {kind} [bold]{out}[/]: {spec.layers} layers, hidden {spec.hidden}, "
+                        f"vocab {spec.vocab}, {spec.num_params():,} parameters", soft_wrap=True)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,11 +409,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of device memory kept free (default: 0.1)")
     p.add_argument("--out", default=None, help="write the best plan to this TOML file")
     p.add_argument("--simulate-top", type=int, default=0, help="re-rank the best N by simulation")
+    p.add_argument("--stack", default="modern", help="software the cost model assumes: modern (default), "
+                   "megatron-core (TP overlap), megatron-lm-2022 (no FlashAttention, DDP without overlap)")
     add_json_flag(p)
 
     p = verb("estimate", "predict step time, throughput, memory and bubble of one plan", cmd_estimate)
     add_spec_flags(p)
     add_layout_flags(p)
+    p.add_argument("--stack", default="modern", help="software the cost model assumes: modern (default), "
+                   "megatron-core (TP overlap), megatron-lm-2022 (no FlashAttention, DDP without overlap)")
     add_json_flag(p)
 
     p = verb("simulate", "replay one step of a plan rank by rank; write a trace and a timeline picture",
@@ -196,7 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="HF tokenizer.json; default: byte-level")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: auto")
     p.add_argument("--nproc", type=int, default=None, help="worker processes (default: the plan's world size)")
-    p.add_argument("--metrics-file", default=None, help="append one JSON line per step here")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (default: 1.0)")
+    p.add_argument("--metrics-file", default=None,
+                   help="append one JSON line per step here; its folder also gets plan.toml")
     p.add_argument("--checkpoint-dir", default=None, help="where checkpoints go")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (0 = never)")
     p.add_argument("--keep", type=int, default=3, help="checkpoints kept (default: 3)")

@@ -1,1 +1,17 @@
-"""runtime"""
+"""Runs a Plan with torch.distributed: DeviceMesh, DTensor tensor parallel (+ sequence parallel), FSDP2 /
+ZeRO levels, torch.distributed.pipelining schedules, activation checkpointing, and the elastic launcher.
+
+    mesh.py         process group, device and the (pp, dp, cp, tp) DeviceMesh of a plan
+    parallelize.py  TP(+SP) -> activation checkpointing -> DP / ZeRO, on one (stage) model
+    pipeline.py     stage models cut from the plan's layers per stage, PipelineStage, schedules
+    optim.py        AdamW, warmup + cosine, clipping by the global gradient norm
+    train.py        the training loop of one worker (RunConfig -> summary)
+    metrics.py      metrics file, progress bar, MFU, peak memory
+    launch.py       pre-launch checks, local worker processes, the torchrun command line
+    worker.py       `python -m fivefold.runtime.worker` for torchrun on several machines
+"""
+
+from fivefold.runtime.launch import check_runnable, launch, torchrun_command
+from fivefold.runtime.train import RunConfig, train
+
+__all__ = ["RunConfig", "check_runnable", "launch", "torchrun_command", "train"]

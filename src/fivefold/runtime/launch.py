@@ -1,0 +1,182 @@
+"""Start the worker processes of a plan on this machine with torch's elastic launcher (the agent
+behind torchrun), after checking that the plan can run at all, so a bad plan stops before any process
+starts. For several machines, `torchrun_command` prints the equivalent torchrun line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import socket
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+
+from fivefold.errors import SpecError, require
+from fivefold.spec import Plan
+
+SCHEDULES_NEEDING_STAGES = ("1f1b",)  # torch's Schedule1F1B refuses fewer micro-batches than stages
+
+
+def check_runnable(plan: Plan, nproc: int, device: str = "cpu", gpus: int = 0, local_nproc: int | None = None) -> None:
+    """What the runtime needs beyond a valid plan; raises SpecError (one line) on the first problem.
+    `nproc` is the whole world, `local_nproc` the processes on this machine (default: all of them),
+    `gpus` the GPUs this machine has."""
+    local_nproc = nproc if local_nproc is None else local_nproc
+    require(nproc == plan.world_size, "--nproc", nproc,
+            f"the plan needs dp*tp*pp*cp = {plan.world_size} processes ({plan.describe()}); "
+            f"give --nproc {plan.world_size}, or a layout for {nproc} (e.g. --cluster 1x{nproc}xcpu)")
+    require(plan.cp == 1, "plan.cp", plan.cp, "context parallelism is not in the runtime yet; use cp=1")
+    require(plan.ep == 1 and not plan.model.is_moe, "model.experts", plan.model.experts,
+            "MoE models are not in the runtime yet; use a dense model")
+    m, t = plan.model, plan.train
+    if plan.tp > 1:
+        require(m.vocab % plan.tp == 0, "plan.tp", plan.tp,
+                f"must divide model.vocab={m.vocab} (the embedding and LM head are split by vocabulary)")
+        require(not m.tied_embeddings, "model.tied_embeddings", True,
+                "tied embeddings cannot be split by tensor parallelism here; use tp=1 or untied embeddings")
+        if plan.sequence_parallel:
+            require(t.seq_len % plan.tp == 0, "plan.sequence_parallel", True,
+                    f"needs tp={plan.tp} to divide train.seq_len={t.seq_len}")
+            if m.position == "learned":
+                require(m.max_seq_len % plan.tp == 0, "plan.tp", plan.tp,
+                        f"must divide model.max_seq_len={m.max_seq_len} (the position table is split over tp)")
+    if plan.schedule in ("zb-h1", "zbv") and plan.pp > 1:
+        # Both found by the parity tests on torch 2.13: zero 3 with these schedules gives wrong weight
+        # gradients; selective recompute refuses the second (weight) backward over a saved region.
+        require(plan.zero != 3, "plan.zero", plan.zero,
+                f"{plan.schedule} with zero 3 (FSDP resharding after forward) gives wrong weight gradients "
+                "in torch 2.13; use zero 2 or another schedule")
+        require(plan.recompute != "selective", "plan.recompute", plan.recompute,
+                f"{plan.schedule} runs the weight gradients in a second backward, which selective "
+                "recompute does not allow; use recompute full or none")
+    if plan.pp > 1:
+        require(not m.tied_embeddings, "model.tied_embeddings", True,
+                "tied embeddings need the embedding and LM head on one stage; use pp=1 or untied embeddings")
+        for dp_rank in range(plan.dp):
+            micro = plan.micro_batches_of_replica(dp_rank)
+            if plan.schedule in SCHEDULES_NEEDING_STAGES:
+                require(micro >= plan.num_stages, "plan.micro_batch", plan.micro_batch,
+                        f"{plan.schedule} needs at least {plan.num_stages} micro-batches per replica "
+                        f"(one per stage), got {micro}; lower micro_batch or raise global_batch")
+            if plan.schedule in ("interleaved-1f1b", "zb-h1"):
+                rounds = max(1, micro // plan.pp)
+                require(micro % rounds == 0, "plan.micro_batch", plan.micro_batch,
+                        f"{plan.schedule} needs micro-batches per replica ({micro}) to be a multiple of "
+                        f"{rounds} (rounds of pp={plan.pp})")
+    if device == "cuda":
+        require(gpus >= local_nproc, "--device", device,
+                f"{local_nproc} processes need {local_nproc} GPUs on this machine, found {gpus}; use torchrun "
+                f"on several machines or --device cpu")
+        require(t.dtype != "fp16", "train.dtype", t.dtype, "fp16 needs loss scaling; use bf16 or fp32")
+
+
+def resolve_device(kind: str) -> tuple[str, int]:
+    """("cpu" | "cuda", GPUs on this machine) for --device cpu|cuda|auto."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if kind == "auto":
+        kind = "cuda" if gpus else "cpu"
+    require(kind != "cuda" or gpus > 0, "--device", kind, "no CUDA GPU is visible here; use --device cpu")
+    return kind, gpus
+
+
+def check_data(plan: Plan, data: str | None, tokenizer: str | None) -> None:
+    """Open (and for text, tokenize once) the data in the launching process, so workers only map it,
+    and check that its token ids fit the model's vocabulary."""
+    from fivefold.data import load_tokenizer, open_dataset
+
+    tok = load_tokenizer(tokenizer)
+    require(tok.vocab_size <= plan.model.vocab, "--tokenizer", tokenizer or "bytes",
+            f"has {tok.vocab_size} tokens but model.vocab={plan.model.vocab}; use a larger vocab")
+    dataset = open_dataset(data, tok)
+    if dataset.vocab_size is not None:
+        require(dataset.vocab_size <= plan.model.vocab, "--data", dataset.name,
+                f"was tokenized with {dataset.vocab_size} tokens but model.vocab={plan.model.vocab}")
+    require(len(dataset) > plan.train.seq_len, "--data", dataset.name,
+            f"has {len(dataset)} tokens; one sequence needs seq_len + 1 = {plan.train.seq_len + 1}")
+
+
+class WorkerFailed(Exception):
+    """A worker process raised or died; the message is its first error line."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+@record
+def worker_entry(configs: list) -> list[dict]:
+    """What each worker process runs: the configs one after another in one process group (several
+    configs amortise process start-up, e.g. for the parity tests); rank 0 returns their summaries."""
+    import torch.distributed as dist
+
+    from fivefold.runtime.train import train
+
+    try:
+        return [train(config) for config in configs]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(configs: list, nproc: int, max_restarts: int = 0) -> list[dict]:
+    """Run `configs` (RunConfig) on `nproc` local worker processes; rank 0's summaries.
+
+    Raises WorkerFailed when a worker fails (after `max_restarts` restarts).
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # The agent logs every start and stop, and repeats a failed worker's traceback (which the worker
+    # already printed); the user sees the workers' own output and one line from WorkerFailed.
+    debug = bool(os.environ.get("FIVEFOLD_DEBUG"))
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.INFO if debug else logging.CRITICAL)
+    launch_config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
+                                 rdzv_endpoint=f"localhost:{free_port()}", run_id=f"fivefold-{os.getpid()}",
+                                 max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn")
+    # Workers inherit this process's environment: share the cores out unless the user chose.
+    user_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = user_threads or str(max(1, (os.cpu_count() or 1) // nproc))
+    try:
+        results = elastic_launch(launch_config, worker_entry)(list(configs))
+    except ChildFailedError as exc:
+        # A crash on one rank makes its peers fail with connection errors; report the cause.
+        def secondary(item) -> bool:
+            return any(text in str(item[1].message) for text in ("Connection closed by peer", "Connection reset"))
+        rank, failure = min(exc.failures.items(), key=lambda item: (secondary(item), item[1].timestamp, item[0]))
+        message = failure.message  # the error file's record: {"message": "Type: text", "extraInfo": ...}
+        if isinstance(message, dict):
+            message = message.get("message", message)
+        lines = [line for line in str(message).strip().splitlines() if line.strip()]
+        raise WorkerFailed(f"worker rank {rank} failed (exit code {failure.exitcode}): "
+                           f"{lines[0] if lines else 'no message'}"
+                           + ("" if debug else " (FIVEFOLD_DEBUG=1 shows the traceback)")) from None
+    finally:
+        if user_threads is None:
+            del os.environ["OMP_NUM_THREADS"]
+    return results[0]
+
+
+def torchrun_command(plan_file: str, config, nnodes: int, nproc_per_node: int) -> str:
+    """The multi-node equivalent: run this on every node (HOST = the first node's address)."""
+    args = ["torchrun", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:29500", "-m", "fivefold.runtime.worker",
+            "--plan", plan_file, "--steps", str(config.steps), "--seed", str(config.seed), "--lr", str(config.lr),
+            "--warmup-steps", str(config.warmup_steps), "--grad-clip", str(config.grad_clip), "--device", config.device]
+    for flag, value in (("--data", config.data), ("--tokenizer", config.tokenizer),
+                        ("--metrics-file", config.metrics_file)):
+        if value:
+            args += [flag, value]
+    return " ".join(shlex.quote(a) if a != "HOST:29500" else a for a in args)
+
+
+def nodes_of(plan: Plan) -> tuple[int, int]:
+    """(nodes, processes per node) of the plan's cluster, for the torchrun line."""
+    nodes = sum(g.nodes for g in plan.cluster.groups)
+    per_node = max(g.gpus_per_node for g in plan.cluster.groups)
+    return nodes, per_node
+

@@ -1,0 +1,70 @@
+"""Process group, device and DeviceMesh of one worker, all derived from the Plan.
+
+Ranks sit on a mesh of dims Plan.MESH_DIMS = (pp, dp, cp, tp), tp innermost, exactly as Plan.coords and
+Plan.group_ranks number them, so the runtime and the planner agree on who talks to whom.
+
+Placement on one machine: rank i uses local device LOCAL_RANK = i % local_world (what torchrun and the
+elastic launcher set), i.e. consecutive ranks, and so a tp group, share a node. A plan's `placement`
+(rank -> cluster device) describes the same layout for the cost model; across several nodes torchrun's
+node rank decides which node a rank lands on.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fivefold.spec import MESH_DIMS, Plan
+
+
+@dataclass
+class Mesh:
+    """This worker's place in the plan's mesh."""
+
+    device: torch.device  # where this rank computes
+    world: DeviceMesh  # the whole (pp, dp, cp, tp) mesh
+    rank: int  # global rank
+    coords: dict[str, int]  # this rank's coordinate on each mesh dim
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        return self.world.get_group(dim)
+
+    def __getitem__(self, dim: str) -> DeviceMesh:
+        return self.world[dim]
+
+
+def pick_device(kind: str) -> torch.device:
+    """cpu, or this process's local GPU (LOCAL_RANK); `auto` takes cuda when there is one."""
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device) -> None:
+    """Join the process group of this launch (env:// from torchrun or the elastic launcher) once."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+
+
+def build_mesh(plan: Plan, device: torch.device) -> Mesh:
+    """The DeviceMesh of `plan` over the processes of this launch."""
+    world_size = dist.get_world_size()
+    if world_size != plan.world_size:
+        raise RuntimeError(f"the plan needs {plan.world_size} processes (dp*tp*pp*cp) but {world_size} were started")
+    world = init_device_mesh(device.type, plan.mesh_shape, mesh_dim_names=MESH_DIMS)
+    rank = dist.get_rank()
+    coords = plan.coords(rank)
+    # The mesh must number ranks the way the plan does, or the cost model described another layout.
+    assert [world.get_local_rank(dim) for dim in MESH_DIMS] == [coords[d] for d in MESH_DIMS], (coords, world)
+    return Mesh(device=device, world=world, rank=rank, coords=coords)

@@ -1,0 +1,86 @@
+"""What one step measured: the JSON line in the metrics file, the progress bar, MFU and peak memory."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from fivefold.spec import Plan
+
+GIB = 2**30
+METRIC_FIELDS = ("step", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s", "mfu",
+                 "peak_memory_gib")
+
+
+def peak_flops(plan: Plan, dtype: str) -> float:
+    """Summed peak FLOP/s of the plan's devices (its cluster and placement) for the dtype computed in."""
+    cluster = plan.cluster
+    return sum(cluster.group_of(device).device.flops(dtype) for device in plan.placement)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak device memory of this process: allocated CUDA memory since the last reset on a GPU, the
+    process's peak resident set (ru_maxrss, includes the Python interpreter and torch) on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GIB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # Linux reports KiB
+
+
+class MetricsFile:
+    """Appends one JSON object per line; flushed every step so a crashed run keeps its history."""
+
+    def __init__(self, path: str | None) -> None:
+        self.file: IO[str] | None = None
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def format_step(record: dict[str, Any]) -> str:
+    return (f"loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
+            f"{record['tokens_per_s']:,.0f} tok/s  mfu {100 * record['mfu']:.2f}%  "
+            f"mem {record['peak_memory_gib']:.2f} GiB  {record['step_time_s'] * 1e3:.1f} ms/step")
+
+
+class Progress:
+    """A rich progress bar on a terminal, one plain line per step otherwise (logs, pipes, tests)."""
+
+    def __init__(self, total_steps: int, title: str, stream: IO[str] | None = None) -> None:
+        self.stream = stream or sys.stdout
+        self.total = total_steps
+        self.bar = None
+        print(title, file=self.stream, flush=True)
+        if self.stream.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import Progress as RichProgress
+
+            self.bar = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=20),
+                                    MofNCompleteColumn(), TimeRemainingColumn(), TextColumn("{task.fields[figures]}"),
+                                    console=Console(file=self.stream))
+            self.task = self.bar.add_task("step", total=total_steps, figures="")
+            self.bar.start()
+
+    def update(self, record: dict[str, Any]) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=record["step"], figures=format_step(record))
+        else:
+            print(f"step {record['step']}/{self.total}  {format_step(record)}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()

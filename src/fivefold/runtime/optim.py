@@ -1,0 +1,99 @@
+"""AdamW, the learning-rate schedule, and gradient clipping by the true global norm.
+
+The same on every plan: what differs between plans is only where each shard of a gradient lives, and
+clip_grad_norm_ below adds the squares of every shard exactly once over the whole world.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from fivefold.spec import MESH_DIMS, Plan
+
+BETAS = (0.9, 0.95)  # GPT-3 / Llama
+WEIGHT_DECAY = 0.1
+MIN_LR_RATIO = 0.1  # cosine decays to 10% of the peak (Chinchilla, Llama)
+
+
+def build_optimizer(params: list[nn.Parameter], lr: float) -> torch.optim.AdamW:
+    """Weight decay on matrices (ndim >= 2: linear weights and embeddings), none on norms and biases
+    (nanoGPT's rule)."""
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=1e-8)
+
+
+def lr_at(step: int, peak_lr: float, warmup_steps: int, total_steps: int) -> float:
+    """Learning rate of 0-based optimizer step `step`: linear warmup to `peak_lr` over `warmup_steps`,
+    then cosine down to MIN_LR_RATIO * peak_lr at the last step."""
+    if step < warmup_steps:
+        return peak_lr * (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps - 1)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    min_lr = MIN_LR_RATIO * peak_lr
+    return min_lr + 0.5 * (peak_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def _replicas(plan: Plan, sharded_dims: set[str]) -> int:
+    """How many ranks hold an identical copy of a tensor sharded over `sharded_dims`: every mesh dim
+    except pp (stages own disjoint weights) that does not shard it holds a replica."""
+    count = 1
+    for dim in MESH_DIMS:
+        if dim != "pp" and dim not in sharded_dims:
+            count *= getattr(plan, dim)
+    return count
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, plan: Plan) -> float:
+    """Scale gradients so their global L2 norm is at most `max_norm`; return the norm before clipping.
+
+    Each rank sums the squares of the gradient elements it holds, weighted by 1/replicas so that a
+    tensor replicated over dp/tp/cp counts once, and one all-reduce over the world (every stage, every
+    shard) gives the square of the global norm. Same idea as TorchTitan's dist_utils.clip_grad_norm_,
+    which adds the pp all-reduce on top of DTensor's norm.
+    """
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(isinstance(pl, Partial) for pl in grad.placements):
+            # A sequence-parallel norm's weight: its gradient is still a sum over the tp ranks.
+            param.grad = grad.redistribute(placements=[Replicate() if isinstance(pl, Partial) else pl
+                                                       for pl in grad.placements])
+    locals_by_replicas: dict[int, list[torch.Tensor]] = {}
+    for param in params:
+        grad = param.grad
+        if grad is None:
+            continue
+        if isinstance(grad, DTensor):
+            names = grad.device_mesh.mesh_dim_names or ()
+            # Shard and FSDP2+TP's _StridedShard (not a Shard subclass) both split the tensor.
+            sharded = {names[i] for i, pl in enumerate(grad.placements) if not pl.is_replicate()}
+            local = grad.to_local()
+        else:
+            sharded, local = set(), grad
+        locals_by_replicas.setdefault(_replicas(plan, sharded), []).append(local)
+    all_locals = [t for group in locals_by_replicas.values() for t in group]
+    if not all_locals:
+        return 0.0
+    total_sq = torch.zeros((), dtype=torch.float64, device=all_locals[0].device)
+    for replicas, group in locals_by_replicas.items():
+        norms = torch.stack(torch._foreach_norm(group)).double()  # one fused pass, as torch's clip does
+        total_sq += norms.pow(2).sum() / replicas
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total_sq)
+    total_norm = math.sqrt(total_sq.item())
+    clip = max_norm / (total_norm + 1e-6)
+    if clip < 1.0:
+        torch._foreach_mul_(all_locals, clip)  # the local shards are the DTensors' storage
+    return total_norm

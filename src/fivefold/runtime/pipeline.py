@@ -1,0 +1,98 @@
+"""Pipeline parallelism with torch.distributed.pipelining: stage models cut from the plan's layers per
+stage, one PipelineStage per virtual stage this rank owns, and the plan's schedule.
+
+Schedules (torch class):
+    gpipe            ScheduleGPipe
+    1f1b             Schedule1F1B
+    interleaved-1f1b ScheduleInterleaved1F1B (virtual stages looped over ranks: stage s on rank s % pp)
+    zb-h1            ScheduleInterleavedZeroBubble with one stage per rank: 1F1B with the backward split
+                     into input- and weight-gradient passes, rank r deferring r weight passes into the
+                     cooldown bubble, which is ZB-H1 of Qi et al. 2024 (same memory as 1F1B)
+    zbv              ScheduleZBVZeroBubble (two stages per rank in a V: stage s and 2*pp-1-s)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+from fivefold.models import Transformer, build_model
+from fivefold.spec import Plan
+
+SCHEDULE_CLASSES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "zb-h1": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # PipelineScheduleSingle: one stage object, not a list
+
+
+def stage_layers(plan: Plan, stage: int) -> range:
+    """The global layer indices of virtual stage `stage` (plan.layers_per_stage in model order)."""
+    first = sum(plan.layers_per_stage[:stage])
+    return range(first, first + plan.layers_per_stage[stage])
+
+
+def build_stage_model(plan: Plan, stage: int) -> Transformer:
+    """The whole model on meta, less what `stage` does not own. Names of what stays do not change, so
+    seeded init and checkpoints address the same tensors under every plan."""
+    model = build_model(plan.model, device="meta")
+    if plan.num_stages == 1:
+        return model
+    keep = {str(i) for i in stage_layers(plan, stage)}
+    for key in list(model.layers.keys()):
+        if key not in keep:
+            del model.layers[key]
+    if stage != 0:
+        model.tok_embeddings = None
+        model.pos_embeddings = None
+    if stage != plan.num_stages - 1:
+        model.norm = None
+        model.output = None
+    # A later stage receives hidden states that sequence parallel may have split along the sequence,
+    # so the model cannot count positions from its input; give it the whole sequence's positions.
+    model.register_forward_pre_hook(_positions_of_whole_sequence(plan.train.seq_len), with_kwargs=True)
+    return model
+
+
+def _positions_of_whole_sequence(seq_len: int):
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if kwargs.get("positions") is None:
+            kwargs = {**kwargs, "positions": torch.arange(seq_len, device=args[0].device)}
+        return args, kwargs
+    return hook
+
+
+def build_schedule(plan: Plan, stage_models: dict[int, nn.Module], pp_group: torch.distributed.ProcessGroup,
+                   device: torch.device, micro_batches: int,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> _PipelineSchedule:
+    """A schedule over this rank's stages. `loss_fn` is already normalised by the global token count,
+    so gradients are summed over micro-batches (scale_grads=False), never averaged."""
+    stages = [PipelineStage(module, stage_index=index, num_stages=plan.num_stages, device=device, group=pp_group)
+              for index, module in sorted(stage_models.items())]
+    schedule_class = SCHEDULE_CLASSES[plan.schedule]
+    if plan.schedule in SINGLE_STAGE_SCHEDULES:
+        return schedule_class(stages[0], n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=False)
+    return schedule_class(stages, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=False)
+
+
+def run_schedule(schedule: _PipelineSchedule, plan: Plan, own_stages: list[int], inputs: torch.Tensor,
+                 targets: torch.Tensor) -> torch.Tensor | None:
+    """One pipelined forward+backward over this replica's rows; the sum of the micro-batch losses when
+    this rank holds the last stage, else None."""
+    holds_first = 0 in own_stages
+    holds_last = plan.num_stages - 1 in own_stages
+    losses: list[torch.Tensor] = []
+    args = (inputs,) if holds_first else ()
+    schedule.step(*args, target=targets if holds_last else None, losses=losses if holds_last else None,
+                  return_outputs=False)
+    if not holds_last:
+        return None
+    return torch.stack([loss.detach() for loss in losses]).sum()

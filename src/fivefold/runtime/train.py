@@ -1,0 +1,220 @@
+"""The training loop of one worker process: any plan, read top to bottom.
+
+build the mesh -> build this rank's stage model(s): TP -> activation checkpointing -> DP/ZeRO ->
+to_empty + seeded init -> for each step: the global batch, this replica's rows, forward/backward
+(pipelined or with gradient accumulation), clip by the global norm, AdamW, metrics.
+
+The loss is the sum of token cross-entropies divided by the number of target tokens in the GLOBAL
+batch, so summing over micro-batches, replicas and stages gives exactly the single-process loss and
+gradients: every plan computes the same training run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+import tomllib
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fivefold.cost.flops import model_flops_per_step
+from fivefold.models import init_weights
+from fivefold.runtime.mesh import Mesh, build_mesh, init_distributed, pick_device
+from fivefold.runtime.metrics import MetricsFile, Progress, peak_flops, peak_memory_gib
+from fivefold.runtime.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
+from fivefold.runtime.parallelize import (apply_activation_checkpointing, apply_data_parallel,
+                                          apply_tensor_parallel, set_gradient_sync)
+from fivefold.runtime.pipeline import build_schedule, build_stage_model, run_schedule
+from fivefold.spec import Plan, plan_from_dict
+
+
+@dataclass
+class RunConfig:
+    """Everything a worker needs; small and picklable, so the launcher can hand it to each process."""
+
+    plan_toml: str  # the Plan as TOML text
+    steps: int = 10  # optimizer steps
+    seed: int = 0  # seed of the weights and of the data order
+    lr: float = 3e-3  # peak learning rate
+    warmup_steps: int = 2  # linear warmup steps before the cosine decay
+    grad_clip: float = 1.0  # max global gradient norm
+    data: str | None = None  # token file (.bin/.npy) or text file; None = the built-in corpus
+    tokenizer: str | None = None  # HF tokenizer.json for text data; None = bytes
+    device: str = "auto"  # cpu | cuda | auto
+    metrics_file: str | None = None  # JSON lines, written by rank 0
+    show_progress: bool = True  # rank 0 draws progress (bar on a terminal, lines otherwise)
+    progress_to_stderr: bool = False  # keep stdout for a JSON summary
+
+    @property
+    def plan(self) -> Plan:
+        return plan_from_dict(tomllib.loads(self.plan_toml))
+
+
+class TokenCrossEntropy:
+    """sum over tokens of cross-entropy / target tokens in the global batch."""
+
+    def __init__(self, global_tokens: int) -> None:
+        self.global_tokens = global_tokens
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        return loss / self.global_tokens
+
+
+def compute_dtype(plan: Plan, device: torch.device) -> torch.dtype | None:
+    """bf16 mixed precision on a GPU when the plan trains in bf16; fp32 otherwise (always on CPU)."""
+    if device.type != "cuda" or plan.train.dtype == "fp32":
+        return None
+    if plan.train.dtype == "fp16":
+        raise RuntimeError("fp16 training needs loss scaling, which the runtime does not do; use bf16")
+    return torch.bfloat16
+
+
+def build_model_parts(plan: Plan, mesh: Mesh, seed: int, param_dtype: torch.dtype | None) -> dict[int, nn.Module]:
+    """This rank's stage models, keyed by virtual stage index, parallelized and initialised."""
+    parts = {}
+    for stage in plan.stages_of(mesh.coords["pp"]):
+        model = build_stage_model(plan, stage)
+        if plan.tp > 1:
+            apply_tensor_parallel(model, mesh["tp"], plan.sequence_parallel)
+        apply_activation_checkpointing(model, plan.recompute)
+        if plan.dp > 1:
+            apply_data_parallel(model, mesh["dp"], plan.zero, param_dtype)
+        model.to_empty(device=mesh.device)
+        init_weights(model, seed)
+        model.train()
+        parts[stage] = model
+    return parts
+
+
+def replica_rows(plan: Plan, dp_rank: int) -> slice:
+    """The contiguous rows of the global batch that data-parallel replica `dp_rank` trains on."""
+    rows = [plan.micro_batches_of_replica(r) * plan.micro_batch for r in range(plan.dp)]
+    start = sum(rows[:dp_rank])
+    return slice(start, start + rows[dp_rank])
+
+
+def make_loader(config: RunConfig, plan: Plan):
+    from fivefold.data import GlobalBatchLoader, load_tokenizer, open_dataset
+
+    dataset = open_dataset(config.data, load_tokenizer(config.tokenizer))
+    return GlobalBatchLoader(dataset, seq_len=plan.train.seq_len, global_batch=plan.train.global_batch,
+                             seed=config.seed)
+
+
+def reduce_loss(local_loss: torch.Tensor, plan: Plan, mesh: Mesh) -> float:
+    """The step's global loss: summed over the pipeline (only the last stage holds a loss) and over
+    the data-parallel replicas (each holds its rows' share)."""
+    for dim in ("pp", "dp"):
+        if getattr(plan, dim) > 1:
+            dist.all_reduce(local_loss, group=mesh.group(dim))
+    return local_loss.item()
+
+
+def train(config: RunConfig) -> dict:
+    """Run `config.steps` steps of the plan on this process's rank; rank 0 returns the summary."""
+    plan = config.plan
+    # nn.Linear on [batch, seq, hidden] returns a reshaped view, which FSDP2 flags in case someone
+    # modifies it in place; the logits are only read by the loss.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    device = pick_device(config.device)
+    init_distributed(device)
+    mesh = build_mesh(plan, device)
+    is_rank0 = mesh.rank == 0
+    param_dtype = compute_dtype(plan, device)
+    autocast = (torch.autocast(device.type, dtype=param_dtype) if param_dtype is not None and plan.dp == 1
+                else contextlib.nullcontext())
+
+    parts = build_model_parts(plan, mesh, config.seed, param_dtype)
+    params = [p for part in parts.values() for p in part.parameters()]
+    optimizer = build_optimizer(params, config.lr)
+    loss_fn = TokenCrossEntropy(plan.train.global_batch * plan.train.seq_len)
+    dp_rank = mesh.coords["dp"]
+    micro_batches = plan.micro_batches_of_replica(dp_rank)
+    schedule = None
+    if plan.pp > 1:
+        schedule = build_schedule(plan, parts, mesh.group("pp"), device, micro_batches, loss_fn)
+    model = parts[0] if plan.pp == 1 else None
+    loader = make_loader(config, plan)
+    rows = replica_rows(plan, dp_rank)
+
+    flops_per_step = model_flops_per_step(plan.model, plan.train)
+    # MFU = model FLOPs per step / (step time x summed peak FLOP/s of the dtype actually computed in).
+    total_peak_flops = peak_flops(plan, "fp32" if param_dtype is None else "bf16")
+    metrics = MetricsFile(config.metrics_file if is_rank0 else None)
+    stream = sys.stderr if config.progress_to_stderr else sys.stdout
+    progress = Progress(config.steps, f"training {plan.model.name}: {plan.describe()} on {plan.world_size} "
+                        f"{device.type} process(es)", stream) if is_rank0 and config.show_progress else None
+    history: list[dict] = []
+    tokens = 0
+    for step in range(config.steps):
+        start = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        lr = lr_at(step, config.lr, config.warmup_steps, config.steps)
+        set_lr(optimizer, lr)
+        batch = loader.next_batch()[rows].to(device, non_blocking=True)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+
+        with autocast:
+            if schedule is not None:
+                local_loss = run_schedule(schedule, plan, list(parts), inputs, targets)
+                if local_loss is None:
+                    local_loss = torch.zeros((), device=device)
+            else:
+                local_loss = torch.zeros((), device=device)
+                for index, (mb_inputs, mb_targets) in enumerate(zip(inputs.split(plan.micro_batch),
+                                                                    targets.split(plan.micro_batch))):
+                    set_gradient_sync(model, plan.zero, last_micro_batch=index == micro_batches - 1)
+                    loss = loss_fn(model(mb_inputs), mb_targets)
+                    loss.backward()
+                    local_loss += loss.detach()
+
+        grad_norm = clip_grad_norm_(params, config.grad_clip, plan)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = reduce_loss(local_loss, plan, mesh)
+        memory = peak_memory_gib(device)
+        if plan.world_size > 1:  # the busiest rank's memory is the one that must fit
+            memory_tensor = torch.tensor([memory], device=device)
+            dist.all_reduce(memory_tensor, op=dist.ReduceOp.MAX)
+            memory = memory_tensor.item()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        step_time = time.perf_counter() - start
+
+        tokens += plan.train.tokens_per_step
+        record = {"step": step + 1, "loss": loss_value, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
+                  "step_time_s": step_time, "tokens_per_s": plan.train.tokens_per_step / step_time,
+                  "mfu": flops_per_step / (step_time * total_peak_flops), "peak_memory_gib": memory}
+        history.append(record)
+        if is_rank0:
+            metrics.write(record)
+            if progress is not None:
+                progress.update(record)
+    if progress is not None:
+        progress.close()
+    metrics.close()
+    return summarize(plan, device, history, config) if is_rank0 else {}
+
+
+def summarize(plan: Plan, device: torch.device, history: list[dict], config: RunConfig) -> dict:
+    """Rank 0's account of the run; step times leave out the first step (warm-up, lazy init)."""
+    timed = history[1:] or history
+    mean_time = sum(r["step_time_s"] for r in timed) / max(1, len(timed))
+    return {
+        "plan": plan.describe(), "world_size": plan.world_size, "device": device.type, "steps": len(history),
+        "losses": [r["loss"] for r in history], "grad_norms": [r["grad_norm"] for r in history],
+        "final_loss": history[-1]["loss"] if history else None,
+        "mean_step_time_s": mean_time,
+        "tokens_per_s": plan.train.tokens_per_step / mean_time if mean_time else 0.0,
+        "mfu": sum(r["mfu"] for r in timed) / max(1, len(timed)),
+        "peak_memory_gib": max((r["peak_memory_gib"] for r in history), default=0.0),
+        "metrics_file": config.metrics_file,
+    }
