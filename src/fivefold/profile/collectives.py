@@ -11,14 +11,13 @@ from __future__ import annotations
 import os
 import queue
 import socket
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fivefold.profile.kernels import synchronize
+from fivefold.profile.kernels import median_seconds
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
@@ -76,27 +75,11 @@ def _one_call(collective: str, rank: int, ranks: int, message_bytes: int, device
     return ping_pong
 
 
-def _timed(call, device: torch.device, repeats: int, min_seconds: float) -> float:
-    """Median seconds per call. Every rank must make the same number of calls, so rank 0 picks the
-    loop count and broadcasts it."""
-    call()
-    synchronize(device)
-    start = time.perf_counter()
-    call()
-    synchronize(device)
-    once = max(time.perf_counter() - start, 1e-7)
-    inner = torch.tensor([max(1, int(min_seconds / once))], device=device)
-    dist.broadcast(inner, 0)
-    samples = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(int(inner.item())):
-            call()
-        synchronize(device)
-        samples.append((time.perf_counter() - start) / int(inner.item()))
-    samples.sort()
-    return samples[len(samples) // 2]
+def _agree_with_rank0(count: int, device: torch.device) -> int:
+    """Rank 0's loop count, so every rank makes the same number of collective calls."""
+    agreed = torch.tensor([count], device=device)
+    dist.broadcast(agreed, 0)
+    return int(agreed.item())
 
 
 def _worker(rank: int, ranks: int, port: int, quick: bool, use_cuda: bool, results) -> None:
@@ -108,7 +91,9 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, use_cuda: bool, resul
         for collective in COLLECTIVES:
             for size in message_sizes(quick):
                 call = _one_call(collective, rank, ranks, size, device)
-                seconds = _timed(call, device, repeats=3 if quick else 7, min_seconds=0.01 if quick else 0.05)
+                seconds = median_seconds(call, device, repeats=3 if quick else 7, min_seconds=0.01 if quick else 0.05,
+                                         agree=lambda count: _agree_with_rank0(count, device),
+                                         before_sample=dist.barrier)
                 if collective == "send_recv":
                     seconds /= 2
                 if rank == 0:

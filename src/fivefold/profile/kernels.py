@@ -26,17 +26,24 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(work: Callable[[], object], device: torch.device, repeats: int, min_seconds: float) -> float:
-    """Median over `repeats` timed batches; each batch runs the work often enough to last min_seconds."""
+def median_seconds(work: Callable[[], object], device: torch.device, repeats: int, min_seconds: float,
+                   agree: Callable[[int], int] = lambda count: count,
+                   before_sample: Callable[[], None] = lambda: None) -> float:
+    """Median over `repeats` timed batches; each batch runs the work often enough to last min_seconds.
+
+    For collectives every rank must make the same number of calls: `agree` turns this rank's loop count
+    into the one all ranks use, and `before_sample` lines the ranks up before each batch.
+    """
     work()
     synchronize(device)
     start = time.perf_counter()
     work()
     synchronize(device)
     once = max(time.perf_counter() - start, 1e-7)
-    inner = max(1, int(min_seconds / once))
+    inner = agree(max(1, int(min_seconds / once)))
     samples = []
     for _ in range(repeats):
+        before_sample()
         start = time.perf_counter()
         for _ in range(inner):
             work()

@@ -10,13 +10,13 @@ plus `between_groups` (bandwidth per node between two groups) and `between_group
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 from fivefold.errors import SpecError, require
 from fivefold.spec.devices import CATALOG, DeviceSpec, device_named
-from fivefold.spec.units import format_bandwidth, format_size, format_time, parse_bandwidth, parse_size, parse_time
+from fivefold.spec.units import (format_bandwidth, format_size, format_time, parse_bandwidth, parse_size, parse_time,
+                                 read_toml_file)
 
 _GROUP = re.compile(r"^(?:(\d+)x)?(\d+)x([A-Za-z0-9_.\-]+)$")
 GROUP_KEYS = ("nvlink", "nic", "mem", "nvlink_latency", "nic_latency")
@@ -244,13 +244,7 @@ def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
 
 def parse_cluster(text: str) -> ClusterSpec:
     """Shorthand, or the path of a TOML file with a [cluster] table (or top-level [[group]] tables)."""
-    path = Path(text)
-    if text.endswith(".toml") or path.is_file():
-        if not path.is_file():
-            raise SpecError("--cluster", text, "no such file")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise SpecError("--cluster", text, f"not valid TOML ({exc})") from None
+    if text.endswith(".toml") or Path(text).is_file():
+        data = read_toml_file(text, "--cluster")
         return cluster_from_dict(data.get("cluster", data))
     return parse_cluster_shorthand(text)

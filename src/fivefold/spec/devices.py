@@ -14,7 +14,7 @@ Intra-node bandwidth is per GPU, one direction; network bandwidth is per node, o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fivefold.errors import SpecError
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from fivefold.errors import SpecError, require
+from fivefold.spec.units import read_toml_file
 
 MLP_KINDS = ("gelu", "swiglu")
 NORM_KINDS = ("layernorm", "rmsnorm")
@@ -192,13 +192,7 @@ def parse_model(text: str) -> ModelSpec:
     if text in PRESETS:
         return PRESETS[text]
     if text.endswith(".toml") or Path(text).is_file():
-        path = Path(text)
-        if not path.is_file():
-            raise SpecError("--model", text, "no such file")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise SpecError("--model", text, f"not valid TOML ({exc})") from None
+        data = read_toml_file(text, "--model")
         data = data.get("model", data)
         base = _preset_named(data.get("preset"))
         return model_from_dict(data, base)

@@ -8,14 +8,14 @@ node. `placement[rank]` is the cluster device index that rank runs on.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from fivefold.errors import SpecError, require
+from fivefold.errors import require
 from fivefold.spec.cluster import ClusterSpec, cluster_from_dict
 from fivefold.spec.model import ModelSpec, model_from_dict
 from fivefold.spec.train import TrainSpec, train_from_dict
+from fivefold.spec.units import read_toml_file
 
 PLAN_VERSION = 1
 MESH_DIMS = ("pp", "dp", "cp", "tp")
@@ -250,11 +250,4 @@ def plan_from_dict(data: dict) -> Plan:
 
 
 def load_plan(path: str | Path) -> Plan:
-    path = Path(path)
-    if not path.is_file():
-        raise SpecError("--plan", str(path), "no such file")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise SpecError("--plan", str(path), f"not valid TOML ({exc})") from None
-    return plan_from_dict(data)
+    return plan_from_dict(read_toml_file(path, "--plan"))

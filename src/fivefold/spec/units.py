@@ -6,6 +6,8 @@ Everything is stored in SI base units: bytes/s, bytes, seconds.
 from __future__ import annotations
 
 import re
+import tomllib
+from pathlib import Path
 
 from fivefold.errors import SpecError
 
@@ -65,3 +67,14 @@ def format_size(num_bytes: float) -> str:
 
 def format_time(seconds: float) -> str:
     return f"{seconds * 1e6:.12g}us"
+
+
+def read_toml_file(path: str | Path, flag: str) -> dict:
+    """The parsed TOML file named by a command-line flag; a missing or malformed file is a SpecError."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(flag, str(path), "no such file")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(flag, str(path), f"not valid TOML ({exc})") from None
