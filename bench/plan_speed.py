@@ -3,7 +3,9 @@
     .venv/bin/python bench/plan_speed.py
 
 Targets (issue 3): estimating one plan under 1 ms; a full search for the 1T-parameter GPT (preset gpt-1t)
-on 3072 GPUs under 2 s. The search runs first, in this fresh process, so its caches start cold.
+on 3072 GPUs under 2 s. The search runs first, in this fresh process, so its caches start cold. A search
+and an estimate on a cluster carrying measured curves (a `fivefold profile` calibration) show what
+interpolating GEMM rates and collective times costs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from fivefold.cost import estimate  # noqa: E402
 from fivefold.planner import search  # noqa: E402
 from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster  # noqa: E402
+from fivefold.spec.cluster import Calibration, ClusterSpec  # noqa: E402
+
+
+def calibrated(text: str) -> ClusterSpec:
+    """The cluster with made-up measured curves on its first group: square bf16 GEMMs and 8-rank
+    collectives from 64 KiB to 256 MiB (what `fivefold profile` writes, at plausible H100 numbers)."""
+    cluster = parse_cluster(text)
+    gemm = tuple((n, n, n, "bf16", rate) for n, rate in ((512, 2e14), (1024, 4.5e14), (2048, 6e14), (4096, 6.6e14),
+                                                        (8192, 6.8e14)))
+    sizes = [2**p for p in range(16, 29, 2)]
+    collectives = tuple((kind, 8, size, 20e-6 + size * factor / 360e9) for kind, factor in
+                        (("all_reduce", 1.75), ("all_gather", 7.0), ("reduce_scatter", 0.875),
+                         ("all_to_all", 0.875), ("send_recv", 1.0)) for size in sizes)
+    group = cluster.groups[0]
+    groups = (type(group)(**{**group.__dict__, "calibration": Calibration(gemm, collectives, "bench")}),)
+    return ClusterSpec(groups + cluster.groups[1:], cluster.between_groups_bandwidth, cluster.between_groups_latency)
 
 
 def pin_to_one_core() -> str:
@@ -29,9 +47,10 @@ def pin_to_one_core() -> str:
     return "not pinned (no sched_setaffinity here)"
 
 
-def time_search(model: str, cluster: str, seq_len: int, global_batch: int) -> None:
+def time_search(model: str, cluster: str, seq_len: int, global_batch: int, measured: bool = False) -> float:
     train = TrainSpec(seq_len=seq_len, global_batch=global_batch, dtype="bf16")
-    result = search(PRESETS[model], parse_cluster(cluster), train)
+    result = search(PRESETS[model], calibrated(cluster) if measured else parse_cluster(cluster), train)
+    cluster += " (measured curves)" if measured else ""
     best = result.candidates[0]
     print(f"search {model} on {cluster} ({best.estimate.world_size} GPUs), seq {seq_len}, batch {global_batch}: "
           f"{result.seconds:.2f} s, {result.examined:,} candidates examined ({result.costed:,} costed in full), "
@@ -59,12 +78,16 @@ def main() -> int:
     again = time_search("gpt-1t", "384x8xA100-80GB", 2048, 3072)
     time_search("llama3-405b", "64x8xH100-SXM", 8192, 1024)
     time_search("llama3-70b", "8x8xH100-SXM", 8192, 256)
+    time_search("llama3-70b", "8x8xH100-SXM", 8192, 256, measured=True)
     train = TrainSpec(seq_len=2048, global_batch=3072)
     big = parse_cluster("384x8xA100-80GB")
     worst = max(
         time_estimate("llama3-8b dp4 tp2 on 1x8xH100-SXM", Plan(
             model=PRESETS["llama3-8b"], cluster=parse_cluster("1x8xH100-SXM"),
             train=TrainSpec(seq_len=8192, global_batch=32), dp=4, tp=2, sequence_parallel=True, zero=1)),
+        time_estimate("llama3-8b dp4 tp2 zero3, measured curves", Plan(
+            model=PRESETS["llama3-8b"], cluster=calibrated("1x8xH100-SXM"),
+            train=TrainSpec(seq_len=8192, global_batch=32), dp=4, tp=2, sequence_parallel=True, zero=3)),
         time_estimate("gpt3-175b dp8 tp8 pp8 interleaved(v2) on 64x8xA100-80GB", Plan(
             model=PRESETS["gpt3-175b"], cluster=parse_cluster("64x8xA100-80GB"),
             train=TrainSpec(seq_len=2048, global_batch=1536), dp=8, tp=8, pp=8, schedule="interleaved-1f1b",

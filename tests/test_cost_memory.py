@@ -67,6 +67,9 @@ def test_in_flight_micro_batches_per_schedule():
     # Interleaved, rank 0: 2(p-1) + (v-1)p + 1 = 11 chunks of half a stage: 5.5 = (1 + (p-1)/(pv)) p.
     assert in_flight_chunks("interleaved-1f1b", 4, 2, 16, 0) / 2 == pytest.approx((1 + 3 / 8) * 4)
     assert in_flight_chunks("zbv", 4, 2, 16, 2) / 2 == 4  # the V shape holds p on every rank
+    # ZB-H1 keeps activations until the W pass, which rank r runs r steps late: p on every rank.
+    assert [in_flight_chunks("zb-h1", 4, 1, 16, r) for r in range(4)] == [4, 4, 4, 4]
+    assert in_flight_chunks("zb-h1", 4, 1, 2, 3) == 2
 
 
 def _plan(model, cluster, **layout):

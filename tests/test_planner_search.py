@@ -45,7 +45,8 @@ def test_infeasible_plans_are_never_ranked_first():
     best = result.candidates[0]
     faster = estimate(best.plan.replace(zero=1, layers_per_stage=best.plan.layers_per_stage))
     assert best.plan.zero >= 2
-    assert faster.step_time_s < best.estimate.step_time_s and faster.memory.total > usable
+    # ZeRO-2's per-micro-batch reductions hide under backward here, so ZeRO-1 is no slower, and it does not fit.
+    assert faster.step_time_s <= best.estimate.step_time_s and faster.memory.total > usable
 
 
 def test_fixed_choices_are_honoured():

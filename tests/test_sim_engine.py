@@ -167,7 +167,7 @@ def test_zero3_gathers_before_every_pass_and_reduces_after_every_backward() -> N
     F1's gather queues behind that reduce: [4.25,5.25], F1 [4.75,5.75]. B1: gather [5.75,6.75], B1
     [6.25,8.25]; reduce [7.25, 8.5]: the step ends at 8.5."""
     stage = StageTimes(1.0, 2.0, 0.0, grad_reduce=0.5, reduce_every_micro_batch=True, param_gather=1.0,
-                       gather_every_pass=True, buckets=2)
+                       reshard_after_forward=True, reshard_after_backward=True, buckets=2)
     result = simulate(StepInput("1f1b", 1, 1, 2, (stage,)))
     compute = [(e.kind, e.start, e.end) for e in result.events if e.lane == "compute"]
     assert compute == [("F", 0.5, 1.5), ("B", 2.0, 4.0), ("F", 4.75, 5.75), ("B", 6.25, 8.25)]
@@ -180,6 +180,24 @@ def test_zero3_gathers_before_every_pass_and_reduces_after_every_backward() -> N
     compute = [(e.kind, e.start, e.end) for e in blocking.events if e.lane == "compute"]
     assert compute == [("F", 1.0, 2.0), ("B", 3.0, 5.0), ("F", 6.5, 7.5), ("B", 8.5, 10.5)]
     assert blocking.step_time_s == 11.0
+
+
+def test_weights_kept_gathered_after_backward_are_not_gathered_again() -> None:
+    """torch.distributed.pipelining with FSDP2 ZeRO-3 (reshard after forward only, gradients reduced once):
+    pp=1, m=2, F=1, B=2 over 2 layers, gather 1.0. F0 gathers [0,1] and runs [0.5,1.5]; B0 finds the weights
+    freed by F0 and gathers [1.5,2.5], runs [2,4]; F1 finds them still gathered: [4,5]; B1 gathers [5,6] and
+    runs [5.5,7.5]. With ZeRO-2 freeing after backward instead, only the forwards gather."""
+    kept = StageTimes(1.0, 2.0, 0.0, param_gather=1.0, reshard_after_forward=True, buckets=2)
+    result = simulate(StepInput("1f1b", 1, 1, 2, (kept,)))
+    compute = [(e.kind, e.start, e.end) for e in result.events if e.lane == "compute"]
+    assert compute == [("F", 0.5, 1.5), ("B", 2.0, 4.0), ("F", 4.0, 5.0), ("B", 5.5, 7.5)]
+    gathers = [(e.kind, e.start, e.end) for e in result.events if e.kind == PARAM_GATHER]
+    assert [(g[1], g[2]) for g in gathers] == [(0.0, 1.0), (1.5, 2.5), (5.0, 6.0)]
+    zero2 = StageTimes(1.0, 2.0, 0.0, param_gather=1.0, reshard_after_backward=True, buckets=2)
+    result = simulate(StepInput("1f1b", 1, 1, 2, (zero2,)))
+    gathered = [e.micro_batch for e in result.events if e.kind == PARAM_GATHER]
+    compute = [(e.kind, e.start, e.end) for e in result.events if e.lane == "compute"]
+    assert gathered == [0, 1] and compute == [("F", 0.5, 1.5), ("B", 1.5, 3.5), ("F", 4.0, 5.0), ("B", 5.0, 7.0)]
 
 
 def test_tied_embedding_all_reduce_waits_for_both_ends() -> None:

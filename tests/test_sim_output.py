@@ -83,12 +83,13 @@ def test_from_estimate_maps_stages_scales_and_labels() -> None:
     assert step.stages[1].send_activation == 0.1  # what-if scales compute, not communication
     # Gradients are all-reduced over the dp pair once, after the last backward; no gathers at ZeRO-0.
     assert step.stages[0].grad_reduce > 0 and step.stages[0].param_gather == 0
-    assert not step.stages[0].reduce_every_micro_batch and not step.stages[0].gather_every_pass
+    assert not step.stages[0].reduce_every_micro_batch and not step.stages[0].reshard_after_forward
     # ZeRO-3 over 2 ranks: a reduce-scatter is half a ring all-reduce; fp32 weights gather like fp32 grads.
     sharded = from_estimate(plan.replace(zero=3), FakeEstimate(costs))
     assert sharded.stages[0].grad_reduce == pytest.approx(step.stages[0].grad_reduce / 2)
     assert sharded.stages[0].param_gather == pytest.approx(sharded.stages[0].grad_reduce)
-    assert sharded.stages[0].reduce_every_micro_batch and sharded.stages[0].gather_every_pass
+    assert sharded.stages[0].reduce_every_micro_batch and sharded.stages[0].reshard_after_forward
+    assert sharded.stages[0].reshard_after_backward
     assert step.optimizer == (0.2, 0.2)
     assert step.rank_labels == ("pp0: ranks 0-1", "pp1: ranks 2-3")
     assert "stage 1 x2" in step.title

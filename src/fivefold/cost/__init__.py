@@ -8,9 +8,10 @@ from fivefold.cost.flops import hardware_flops_per_step, model_flops_per_step, n
 from fivefold.cost.layout import Layout
 from fivefold.cost.memory import korthikanti_activation_bytes, zero_model_state_bytes
 from fivefold.cost.pipeline import bubble_ratio
-from fivefold.cost.stack import STACKS, SoftwareStack, stack_named
+from fivefold.cost.stack import STACKS, DataParallelSync, SoftwareStack, data_parallel_sync, stack_named
 from fivefold.cost.step import Estimate, Score, StageCost, estimate, estimate_layout
 
-__all__ = ["Estimate", "Layout", "STACKS", "Score", "SoftwareStack", "StageCost", "bubble_ratio", "estimate",
-           "estimate_layout", "hardware_flops_per_step", "korthikanti_activation_bytes", "model_flops_per_step",
-           "narayanan_flops", "stack_named", "zero_model_state_bytes"]
+__all__ = ["DataParallelSync", "Estimate", "Layout", "STACKS", "Score", "SoftwareStack", "StageCost", "bubble_ratio",
+           "data_parallel_sync", "estimate", "estimate_layout", "hardware_flops_per_step",
+           "korthikanti_activation_bytes", "model_flops_per_step", "narayanan_flops", "stack_named",
+           "zero_model_state_bytes"]

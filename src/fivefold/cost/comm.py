@@ -8,6 +8,13 @@ latency alpha and a per-rank bus bandwidth beta:
     all-to-all             (n-1) alpha + the slower of the bytes that stay on the node and those that leave
     point-to-point         alpha + S / beta
 
+Measured curves: a cluster group profiled by `fivefold profile` carries collective times per
+(collective, ranks, message size) measured inside one of its nodes. A group of that size inside one such
+node takes its time from them instead: piecewise-linear interpolation of log time over log message size,
+and beyond the measured sizes the alpha-beta line through the first and last measured points (latency of
+the smallest message, bandwidth of the largest). Group sizes that were not measured, and groups that
+span nodes, keep the alpha-beta formulas above.
+
 Which bandwidth a group gets follows the placement. A group inside one node rides NVLink (or xGMI/PCIe).
 A group spanning nodes crosses the network, and a node's NIC is shared by everything on that node that
 talks at the same time: the collectives of a training step run in lockstep, so every GPU of the node is
@@ -19,12 +26,70 @@ messages (nccl-tests bus bandwidth on DGX A100/H100), hence the efficiency facto
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_right
 from dataclasses import dataclass
 
-from fivefold.spec.cluster import ClusterSpec
+from fivefold.spec.cluster import Calibration, ClusterSpec
 
 INTRA_EFFICIENCY = 0.8  # NCCL bus bandwidth / NVLink datasheet bandwidth
 NETWORK_EFFICIENCY = 0.9  # NCCL bus bandwidth / NIC line rate
+
+
+class MeasuredCollectives:
+    """Collective times one `fivefold profile` measured inside a node, looked up by message size.
+
+    Message sizes follow the profile's convention (profile/collectives.py): the tensor for all-reduce and
+    reduce-scatter (its input), each rank's shard for all-gather, each rank's send buffer for all-to-all,
+    the message for send/recv (measured between two ranks, whatever the process count)."""
+
+    def __init__(self, calibration: Calibration) -> None:
+        points: dict[tuple[str, int], dict[int, float]] = {}
+        for collective, ranks, message_bytes, seconds in calibration.collectives:
+            if message_bytes > 0 and seconds > 0:
+                key = (collective, 2 if collective == "send_recv" else ranks)
+                points.setdefault(key, {})[message_bytes] = seconds
+        # Per (collective, ranks): log sizes, log times, and the alpha-beta line through the end points.
+        self.curves: dict[tuple[str, int], tuple[list[float], list[float], float, float]] = {}
+        for key, by_size in points.items():
+            if len(by_size) < 2:
+                continue  # one size gives no curve; the formulas stay
+            sizes = sorted(by_size)
+            small, large = sizes[0], sizes[-1]
+            bandwidth = (large - small) / max(by_size[large] - by_size[small], 1e-12)
+            latency = max(0.0, by_size[small] - small / bandwidth)
+            self.curves[key] = ([math.log(b) for b in sizes], [math.log(by_size[b]) for b in sizes],
+                                latency, bandwidth)
+
+    def seconds(self, collective: str, ranks: int, message_bytes: float) -> float | None:
+        """Measured time of one call, or None when this collective at this group size was not measured."""
+        curve = self.curves.get((collective, ranks))
+        if curve is None:
+            return None
+        sizes, times, latency, bandwidth = curve
+        if message_bytes <= 0:
+            return 0.0
+        x = math.log(message_bytes)
+        if x < sizes[0] or x > sizes[-1]:
+            return latency + message_bytes / bandwidth
+        i = min(bisect_right(sizes, x), len(sizes) - 1)
+        share = (x - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+        return math.exp(times[i - 1] + share * (times[i] - times[i - 1]))
+
+
+_MEASURED: dict[int, tuple[Calibration, MeasuredCollectives]] = {}
+
+
+def measured_collectives(calibration: Calibration | None) -> MeasuredCollectives | None:
+    """The lookup object of a calibration (cached: the planner asks for the same one many times)."""
+    if calibration is None or not calibration.collectives:
+        return None
+    cached = _MEASURED.get(id(calibration))
+    if cached is None or cached[0] is not calibration:
+        if len(_MEASURED) > 64:
+            _MEASURED.clear()
+        cached = _MEASURED[id(calibration)] = (calibration, MeasuredCollectives(calibration))
+    return cached[1]
 
 
 @dataclass(frozen=True)
@@ -37,6 +102,7 @@ class GroupLink:
     intra_bandwidth: float  # achievable bytes/s per GPU inside a node
     network_bandwidth: float  # achievable bytes/s of one GPU's NIC share (node NIC / gpus per node)
     latency: float  # seconds per step of a collective
+    measured: MeasuredCollectives | None = None  # the node's profiled curves (groups inside one node only)
 
     @property
     def ring_bandwidth(self) -> float:
@@ -77,7 +143,8 @@ class Topology:
         groups = [self.cluster.groups[self.node_group[node]] for node in per_node]
         intra = min(g.intra_node_bandwidth for g in groups) * INTRA_EFFICIENCY
         if len(per_node) == 1:
-            return GroupLink(n, 1, n, intra, float("inf"), groups[0].intra_node_latency)
+            return GroupLink(n, 1, n, intra, float("inf"), groups[0].intra_node_latency,
+                             measured_collectives(groups[0].calibration))
         # Each GPU's share of its node's NIC; the slowest node and the fewest members set the ring speed.
         spans_groups = len({self.node_group[node] for node in per_node}) > 1
         per_gpu = float("inf")
@@ -100,7 +167,7 @@ class Topology:
         gb = self.cluster.groups[self.group_of[b]]
         intra = ga.intra_node_bandwidth * INTRA_EFFICIENCY
         if self.node_of[a] == self.node_of[b]:
-            return GroupLink(2, 1, 2, intra, float("inf"), ga.intra_node_latency)
+            return GroupLink(2, 1, 2, intra, float("inf"), ga.intra_node_latency, measured_collectives(ga.calibration))
         # Same rule as ClusterSpec.link: the slower NIC, or the between-groups link when one is given.
         nic = min(ga.network_bandwidth, gb.network_bandwidth)
         latency = max(ga.network_latency, gb.network_latency)
@@ -128,11 +195,18 @@ def _log2_ceil(n: int) -> int:
     return (n - 1).bit_length()
 
 
+def _measured(link: GroupLink, collective: str, message_bytes: float) -> float | None:
+    return link.measured.seconds(collective, link.size, message_bytes) if link.measured is not None else None
+
+
 def all_reduce_time(num_bytes: float, link: GroupLink) -> float:
-    """The faster of ring and double-binary-tree all-reduce."""
+    """The faster of ring and double-binary-tree all-reduce (or the measured curve)."""
     n = link.size
     if n <= 1 or num_bytes <= 0:
         return 0.0
+    measured = _measured(link, "all_reduce", num_bytes)
+    if measured is not None:
+        return measured
     beta = link.ring_bandwidth
     ring = 2 * (n - 1) * link.latency + 2 * (n - 1) / n * num_bytes / beta
     tree = 2 * _log2_ceil(n) * link.latency + 2 * num_bytes / beta
@@ -140,14 +214,25 @@ def all_reduce_time(num_bytes: float, link: GroupLink) -> float:
 
 
 def all_gather_time(num_bytes: float, link: GroupLink) -> float:
-    """All-gather (or reduce-scatter) of a tensor whose full size is `num_bytes`."""
+    """All-gather of a tensor whose full (gathered) size is `num_bytes`."""
     n = link.size
     if n <= 1 or num_bytes <= 0:
         return 0.0
+    measured = _measured(link, "all_gather", num_bytes / n)  # the profile names each rank's shard
+    if measured is not None:
+        return measured
     return (n - 1) * link.latency + (n - 1) / n * num_bytes / link.ring_bandwidth
 
 
-reduce_scatter_time = all_gather_time
+def reduce_scatter_time(num_bytes: float, link: GroupLink) -> float:
+    """Reduce-scatter of a tensor whose full (input) size is `num_bytes`: the ring cost of an all-gather."""
+    n = link.size
+    if n <= 1 or num_bytes <= 0:
+        return 0.0
+    measured = _measured(link, "reduce_scatter", num_bytes)
+    if measured is not None:
+        return measured
+    return (n - 1) * link.latency + (n - 1) / n * num_bytes / link.ring_bandwidth
 
 
 def all_to_all_time(bytes_per_rank: float, link: GroupLink) -> float:
@@ -155,6 +240,9 @@ def all_to_all_time(bytes_per_rank: float, link: GroupLink) -> float:
     n = link.size
     if n <= 1 or bytes_per_rank <= 0:
         return 0.0
+    measured = _measured(link, "all_to_all", bytes_per_rank)
+    if measured is not None:
+        return measured
     k = link.members_per_node
     inside = (k - 1) / n * bytes_per_rank / link.intra_bandwidth
     outside = (n - k) / n * bytes_per_rank / link.network_bandwidth if link.nodes > 1 else 0.0
@@ -164,5 +252,8 @@ def all_to_all_time(bytes_per_rank: float, link: GroupLink) -> float:
 def p2p_time(num_bytes: float, link: GroupLink) -> float:
     if link.size <= 1 or num_bytes <= 0:
         return 0.0
+    measured = _measured(link, "send_recv", num_bytes)
+    if measured is not None:
+        return measured
     bandwidth = link.intra_bandwidth if link.nodes <= 1 else link.network_bandwidth
     return link.latency + num_bytes / bandwidth

@@ -16,12 +16,22 @@ L40S: 142, RTX 4090: 128, MI300X: 304 CUs). Sustained fractions of peak are typi
 cuBLAS/hipBLASLt at training clocks (A100 ~0.8 of 312 TFLOP/s; H100 ~0.7 of 989 under its power limit;
 MI300X ~0.55 of 1307), and ~0.8 of datasheet memory bandwidth for streaming kernels (STREAM-like copies).
 FlashAttention-2 (Dao 2023) reaches ~0.7 of the GEMM rate forward and ~0.55 backward.
+
+Measured curves: a cluster group profiled by `fivefold profile` carries GEMM throughput points
+(m, n, k, dtype, FLOP/s). A device with points for the training dtype takes every GEMM's rate from them
+instead of the tile/K-overhead/roofline model: log FLOP/s interpolated piecewise-linearly over log
+arithmetic intensity (FLOPs per byte of A, B and C moved, which grows with size and falls for skinny
+shapes), clamped to the end points outside the measured range; fused attention scales with the best
+measured rate as it scales with `gemm_peak` otherwise.
 """
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_right
 from dataclasses import dataclass
 
+from fivefold.spec.cluster import Calibration
 from fivefold.spec.devices import DeviceSpec
 
 
@@ -67,19 +77,68 @@ def dtype_bytes(dtype: str) -> int:
     return 4 if dtype == "fp32" else 2
 
 
+def arithmetic_intensity(m: int, n: int, k: int, element_bytes: int) -> float:
+    """FLOPs per byte a GEMM moves through memory: 2mnk over A, B and C read or written once."""
+    return 2.0 * m * n * k / ((m * k + k * n + m * n) * element_bytes)
+
+
+class GemmCurve:
+    """Measured GEMM throughput of one dtype over arithmetic intensity, interpolated in log-log."""
+
+    def __init__(self, points: list[tuple[float, float]]) -> None:
+        by_intensity: dict[float, list[float]] = {}
+        for intensity, rate in points:
+            by_intensity.setdefault(math.log(intensity), []).append(math.log(rate))
+        self.x = sorted(by_intensity)
+        self.y = [sum(by_intensity[x]) / len(by_intensity[x]) for x in self.x]  # shapes of equal intensity
+        self.best = math.exp(max(self.y))
+
+    def rate(self, intensity: float) -> float:
+        """FLOP/s at this intensity: interpolated inside the measured range, the end value outside."""
+        x, xs, ys = math.log(intensity), self.x, self.y
+        if x <= xs[0]:
+            return math.exp(ys[0])
+        if x >= xs[-1]:
+            return math.exp(ys[-1])
+        i = bisect_right(xs, x)
+        share = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return math.exp(ys[i - 1] + share * (ys[i] - ys[i - 1]))
+
+
+_CURVES: dict[tuple[int, str], tuple[Calibration, GemmCurve | None]] = {}
+
+
+def gemm_curve(calibration: Calibration | None, dtype: str) -> GemmCurve | None:
+    """The measured GEMM curve of a calibration for one dtype, or None without points (cached)."""
+    if calibration is None or not calibration.gemm:
+        return None
+    key = (id(calibration), dtype)
+    cached = _CURVES.get(key)
+    if cached is None or cached[0] is not calibration:
+        element_bytes = dtype_bytes(dtype)
+        points = [(arithmetic_intensity(m, n, k, element_bytes), rate)
+                  for m, n, k, point_dtype, rate in calibration.gemm if point_dtype == dtype and rate > 0]
+        if len(_CURVES) > 64:
+            _CURVES.clear()
+        cached = _CURVES[key] = (calibration, GemmCurve(points) if points else None)
+    return cached[1]
+
+
 class Device:
     """A device and a training dtype, with the few numbers every kernel-time formula needs."""
 
-    __slots__ = ("spec", "profile", "peak", "bandwidth", "gemm_peak", "latency", "element_bytes")
+    __slots__ = ("spec", "profile", "peak", "bandwidth", "gemm_peak", "latency", "element_bytes", "gemm_curve")
 
-    def __init__(self, spec: DeviceSpec, dtype: str) -> None:
+    def __init__(self, spec: DeviceSpec, dtype: str, calibration: Calibration | None = None) -> None:
         self.spec = spec
         self.profile = profile_of(spec)
         self.peak = spec.flops(dtype)  # dense FLOP/s of the dtype
         self.bandwidth = spec.memory_bandwidth * self.profile.memory_fraction  # achievable bytes/s
-        self.gemm_peak = self.peak * self.profile.gemm_fraction  # FLOP/s of a large, well-shaped GEMM
         self.latency = self.profile.kernel_latency
         self.element_bytes = dtype_bytes(dtype)
+        self.gemm_curve = gemm_curve(calibration, dtype)  # measured GEMM rates, when profiled
+        # FLOP/s of a large, well-shaped GEMM: the best measured one, else the catalog fraction of peak.
+        self.gemm_peak = self.gemm_curve.best if self.gemm_curve else self.peak * self.profile.gemm_fraction
 
 
 def tile_utilization(rows: int, cols: int, batch: int, sm_count: int) -> float:
@@ -103,6 +162,9 @@ def gemm_time(device: Device, m: int, n: int, k: int, batch: int = 1) -> float:
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
     flops = 2.0 * m * n * k * batch
+    if device.gemm_curve is not None:  # measured: the rate of this shape's intensity, never below a launch
+        return max(flops / device.gemm_curve.rate(arithmetic_intensity(m, n, k, device.element_bytes)),
+                   device.latency)
     efficiency = tile_utilization(m, n, batch, device.profile.sm_count) * k / (k + device.profile.k_overhead)
     compute = flops / (device.gemm_peak * efficiency)
     memory = (m * k + k * n + m * n) * batch * device.element_bytes / device.bandwidth

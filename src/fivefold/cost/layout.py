@@ -3,8 +3,9 @@
 The planner enumerates thousands of layouts a second; building and validating a Plan for each would cost
 more than costing it, so it builds Layouts, which reuse Plan's own rank arithmetic (its methods, unbound)
 and so agree with the Plan the winner becomes. For every pipeline rank we find its device (the slowest
-among the devices its ranks sit on) and the links of its TP, CP, EP and data-parallel groups through the
-placement; per-layer costs are cached on everything they depend on.
+among the devices its ranks sit on; with uneven micro-batches per replica, among those of the replica that
+finishes last, whose count is then num_micro_batches) and the links of its TP, CP, EP and data-parallel
+groups through the placement; per-layer costs are cached on everything they depend on.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class Layout:
 
     __slots__ = ("model", "cluster", "train", "dp", "tp", "pp", "cp", "ep", "zero", "micro_batch",
                  "schedule", "virtual_stages", "layers_per_stage", "recompute", "sequence_parallel",
-                 "placement", "num_micro_batches")
+                 "placement", "num_micro_batches", "replica_micro_batches")
 
     rank_of = Plan.rank_of
     coords = Plan.coords
@@ -48,8 +49,23 @@ class Layout:
     @classmethod
     def of_plan(cls, plan: Plan) -> Layout:
         identity = plan.placement == tuple(range(plan.world_size))
-        return cls(**{name: getattr(plan, name) for name in cls.__slots__ if name != "placement"},
-                   placement=() if identity else plan.placement)
+        layout = cls(**{name: getattr(plan, name) for name in cls.__slots__ if name != "placement"},
+                     placement=() if identity else plan.placement)
+        if plan.replica_micro_batches:
+            layout.num_micro_batches = plan.replica_micro_batches[pacing_replica(layout)]
+        return layout
+
+
+def pacing_replica(layout: Layout) -> int:
+    """With uneven micro-batches per replica, the replica that finishes last and so sets the step's pace:
+    the most micro-batches per FLOP/s of its slowest device. The estimate costs that replica's pipeline."""
+    topology, dtype = topology_of(layout.cluster), layout.train.dtype
+    speed_of = [g.device.flops(dtype) for g in layout.cluster.groups]
+
+    def slowest(dp: int) -> float:
+        return min(speed_of[topology.group_of[_device_index(layout, layout.rank_of(pp=p, dp=dp, cp=c, tp=t))]]
+                   for p in range(layout.pp) for c in range(layout.cp) for t in range(layout.tp))
+    return max(range(layout.dp), key=lambda dp: (layout.replica_micro_batches[dp] / slowest(dp), -dp))
 
 
 _LAYER_CACHE: dict[tuple, tuple[PassCost, PassCost, PassCost, float, float]] = {}
@@ -74,18 +90,16 @@ _ENV_CACHE: dict[tuple, tuple[Topology, list[RankEnv]]] = {}
 
 
 def rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
-    """Device and links of every pipeline rank (cached for the default placement)."""
-    key = None
-    if not layout.placement:
-        key = (id(topology), layout.train.dtype, layout.dp, layout.tp, layout.pp, layout.cp, layout.ep)
-        cached = _ENV_CACHE.get(key)
-        if cached is not None and cached[0] is topology:
-            return cached[1]
+    """Device and links of every pipeline rank (cached: the planner asks for each placement many times)."""
+    key = (id(topology), layout.train.dtype, layout.dp, layout.tp, layout.pp, layout.cp, layout.ep,
+           layout.placement, layout.replica_micro_batches)
+    cached = _ENV_CACHE.get(key)
+    if cached is not None and cached[0] is topology:
+        return cached[1]
     envs = _build_rank_envs(layout, topology)
-    if key is not None:
-        if len(_ENV_CACHE) > 4096:
-            _ENV_CACHE.clear()
-        _ENV_CACHE[key] = (topology, envs)
+    if len(_ENV_CACHE) > 4096:
+        _ENV_CACHE.clear()
+    _ENV_CACHE[key] = (topology, envs)
     return envs
 
 
@@ -94,6 +108,7 @@ def _build_rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
     homogeneous = cluster.is_homogeneous and not layout.placement
     envs: list[RankEnv] = []
     devices: dict[int, Device] = {}
+    pace = pacing_replica(layout) if layout.replica_micro_batches and not homogeneous else None
     for pp_rank in range(layout.pp):
         if homogeneous and envs:
             envs.append(envs[0])
@@ -101,9 +116,11 @@ def _build_rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
         first = layout.rank_of(pp=pp_rank)
         block = range(first, first + layout.dp * layout.cp * layout.tp)
         groups = {topology.group_of[_device_index(layout, r)] for r in block}
-        slowest = min(groups, key=lambda g: (cluster.groups[g].device.flops(dtype), g))
+        paced = groups if pace is None else {topology.group_of[_device_index(layout, layout.rank_of(
+            pp=pp_rank, dp=pace, cp=c, tp=t))] for c in range(layout.cp) for t in range(layout.tp)}
+        slowest = min(paced, key=lambda g: (cluster.groups[g].device.flops(dtype), g))
         if slowest not in devices:
-            devices[slowest] = Device(cluster.groups[slowest].device, dtype)
+            devices[slowest] = Device(cluster.groups[slowest].device, dtype, cluster.groups[slowest].calibration)
         capacity = min(cluster.groups[g].device.memory_bytes for g in groups)
 
         def link(ranks: list[int]) -> GroupLink:
@@ -122,8 +139,8 @@ def layer_costs(layout: Layout, env: RankEnv, stack: SoftwareStack):
     shape = LayerShape(layout.model, layout.train.seq_len, layout.micro_batch, layout.tp, layout.cp, layout.ep,
                        layout.sequence_parallel, layout.recompute)
     device = env.device
-    key = (shape, device.spec.name, device.peak, device.bandwidth, device.element_bytes, stack, env.tp, env.cp,
-           env.ep)
+    key = (shape, device.spec.name, device.peak, device.bandwidth, device.element_bytes, device.gemm_curve, stack,
+           env.tp, env.cp, env.ep)
     cached = _LAYER_CACHE.get(key)
     if cached is None:
         if len(_LAYER_CACHE) > 20000:

@@ -23,15 +23,19 @@ from fivefold.cost.layer import LayerShape
 GIB = 2**30
 
 
-def zero_model_state_bytes(num_params: float, dtype: str, zero: int, shard: int) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) bytes of `num_params` parameters on one rank."""
+def zero_model_state_bytes(num_params: float, dtype: str, zero: int, shard: int,
+                           grads_sharded: bool = True) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes of `num_params` parameters on one rank.
+
+    `grads_sharded=False`: ZeRO-2/3 gradients still accumulate whole, because the software reduces them
+    only once per step (torch.distributed.pipelining turns gradient sync off until the last backward)."""
     if dtype == "fp32":
         weights, grads, optimizer = 4.0, 4.0, 8.0
     else:
         weights, grads, optimizer = 2.0, 2.0, 12.0
     if zero >= 1:
         optimizer /= shard
-    if zero >= 2:
+    if zero >= 2 and grads_sharded:
         grads /= shard
     if zero >= 3:
         weights /= shard
@@ -89,10 +93,13 @@ def layer_transient_bytes(shape: LayerShape, dropout: bool, attention: str, elem
 def in_flight_chunks(schedule: str, pp: int, virtual_stages: int, micro_batches: int, pp_rank: int) -> float:
     """Micro-batches whose activations one pipeline rank holds at its peak, in units of one model chunk.
 
-    gpipe: all m. 1f1b and zb-h1 (Qi et al. 2024: same peak as 1F1B): p - r on rank r. Interleaved
-    (Megatron's warmup count + 1): 2 (p - r - 1) + (v - 1) p + 1 chunks, i.e. (1 + (p-1)/(p v)) of 1F1B on
-    rank 0 (Narayanan et al. 2021). zbv (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"):
-    the V shape holds p micro-batches on every rank, 2p half-size chunks.
+    gpipe: all m. 1f1b: p - r on rank r. zb-h1: a micro-batch's activations live until its W pass, which
+    rank r runs r steps late, so every rank holds p (rank 0 as under 1F1B: Qi et al. 2024's "same peak").
+    Interleaved (Megatron's warmup count + 1): 2 (p - r - 1) + (v - 1) p + 1 chunks, i.e.
+    (1 + (p-1)/(p v)) of 1F1B on rank 0 (Narayanan et al. 2021). zbv (Qi et al. 2024, "Pipeline Parallelism
+    with Controllable Memory"): the V shape holds p micro-batches on every rank, 2p half-size chunks, once
+    it is full; with fewer micro-batches rank r holds all m of its first chunk and min(m, r + 1) of its
+    second (torch's order, replayed by the simulator).
     """
     m, p, v = micro_batches, pp, virtual_stages
     if p == 1:
@@ -102,7 +109,9 @@ def in_flight_chunks(schedule: str, pp: int, virtual_stages: int, micro_batches:
     if schedule == "interleaved-1f1b":
         return float(min(m * v, 2 * (p - pp_rank - 1) + (v - 1) * p + 1))
     if schedule == "zbv":
-        return float(min(2 * m, 2 * p))
+        return float(min(2 * p, m + min(m, pp_rank + 1)))
+    if schedule == "zb-h1":
+        return float(min(m, p))
     return float(min(m, p - pp_rank))
 
 

@@ -1,12 +1,51 @@
 """Pipeline schedules: the textbook bubble of each, and the time of m micro-batches through p ranks.
 
-Bubble as a fraction of the ideal (bubble-free) time, for p ranks, m micro-batches per step, v model
-chunks per rank, and per-micro-batch forward F, input-backward B and weight-backward W of one rank:
+Textbook bubbles (`bubble_ratio`, the planner's lower bound), as a fraction of the ideal time, for p
+ranks, m micro-batches, v model chunks per rank and per-micro-batch F, B (input gradient), W (weight
+gradient) of one rank:
     gpipe, 1f1b          (p - 1) / m                                  (Huang et al. 2019; Narayanan 2021)
     interleaved-1f1b     (p - 1) / (v m)                              (Narayanan et al. 2021)
     zb-h1                (p - 1) (F + B - W) / (m (F + B + W))        (Qi et al. 2024, Table 2)
-    zbv                  (p - 1) max(0, F + B - 2W) / (2 m (F + B + W))  (Qi et al. 2024, ZB-V: the
-                         ZB-H2 bubble of half-size chunks, at 1F1B's memory)
+    zbv                  (p - 1) max(0, F + B - 2W) / (2 m (F + B + W))  (Qi et al. 2024, ZB-V)
+
+What the step takes (`schedule_time`) is the longest path through the action orders torch 2.13 runs
+(sim/schedules.py), for identical stages with per-chunk times f, b, w. Each term below is such a path;
+the simulator replays the same orders and tests/test_cost_pipeline.py checks the two agree:
+    gpipe, 1f1b        (m + p - 1)(f + b + w): the first micro-batch's forward down the pipeline, m
+                       micro-batches on the last rank, the last backward back up.
+    interleaved-1f1b   (v m + p - 1)(f + b + w)  (torch's depth-first order, m a multiple of p).
+    zb-h1              the longest of (m + p - 1)(f + b) + max(1, m - p + 1) w (the 1F1B path, W passes
+                       filling all but the last rank's drain), max(p, m) f + (m + p - 1) b + m w and
+                       (m + p - 1) f + max(p, m) b + m w (paths that wait on F or on B when W is long):
+                       Qi et al.'s (p - 1)(F + B - W) bubble when m >= p and W <= F; with m < p there is
+                       no steady state and only one W can hide.
+    zbv (full V, m >= 2p - 1)
+                       2 m (f + b + w) + the drain of the V's last input gradient across the ranks:
+                       the longest of (p - 1) b, 2 (p - 1)(b - w), (p - 1)(2 f - b) - w, f + (p - 2) w.
+    zbv (m <= p)       the first micro-batch's round trip through the whole V, 2p (f + b), then the
+                       rank's remaining backward work, 2 (m - 1) b + 2 m w; or the 1F1B-like path
+                       2 m (f + b + w) + (p - 1)(f + b), whichever is longer.
+    zbv (p < m < 2p-1) torch builds the V for 2p - 1 micro-batches and drops the missing ones, so it is
+                       partly filled: linear between the m = p and m = 2p - 1 values (within ~4% of the
+                       replay over F:B:W from 1:0.7:0.3 to 1:2.5:1.5; exact at both ends).
+    zbv (any m)        also one chunk's m micro-batches with every other chunk crossed once each way,
+                       (2p - 1)(f + b) + m (f + b + w) + w: the path through a heavy chunk (the LM head).
+Unequal ranks (`rank_path_time`): in each path the terms repeated m times are one rank's own work and
+the fill and drain terms cross the other ranks (their mean chunk); the step is the longest such path over
+the ranks. For 1F1B this is m max_r w_r + (sum_r w_r - max_r w_r), exact when the slowest rank is the
+last. The ZBV paths that run through the V's bottom only count for rank p - 1, and a path repeating a
+single chunk (the LM head's, on rank 0) is added. Not modelled: interleaved ranks whose chunks differ
+(rank totals balanced, stages not), which the replay shows running 5-20% longer; the drain of a full V
+whose rank 0 is heavier than the rest, which the replay shows partly hidden (estimate up to ~4% long).
+
+Activation transfers on the critical path (`critical_hops`, in units of one hop): fill and drain cross
+2 (p - 1) hops (2 (v p - 1) interleaved, 4 (p - 1) for the V). 1F1B's dependency graph has a cycle
+through all p ranks whose mean per micro-batch is the ranks' mean work plus 2 (p - 1) / p hops; once
+m > p the steady state runs at the slower of that and the slowest rank (for equal stages: two sends per
+micro-batch, as the simulator shows), and before it every micro-batch waits on the next rank's reply
+(2 hops). Blocking sends (Megatron-LM's older p2p) hold the sender: about two transfers per
+micro-batch on the path (three interleaved with v = 2; four for the V, whose middle ranks send both
+chunks both ways, two at p = 2).
 """
 
 from __future__ import annotations
@@ -16,7 +55,7 @@ from dataclasses import dataclass
 
 def bubble_ratio(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1,
                  forward: float = 1.0, backward_input: float = 1.0, backward_weight: float = 1.0) -> float:
-    """Idle time over ideal time of a homogeneous pipeline (the formulas in the module docstring)."""
+    """Idle time over ideal time of a homogeneous pipeline (the textbook formulas in the module docstring)."""
     p, m, v = pp, micro_batches, virtual_stages
     if p <= 1:
         return 0.0
@@ -32,6 +71,81 @@ def bubble_ratio(schedule: str, pp: int, micro_batches: int, virtual_stages: int
     raise ValueError(schedule)
 
 
+def rank_path_time(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
+                   own: tuple[float, float, float], others: tuple[float, float, float], bottom: bool = True) -> float:
+    """The longest of the schedule's critical paths (module docstring) that repeat one rank's work: its
+    per-micro-batch work (all its chunks) is `own` = (F, B, W), each chunk of the other p - 1 ranks takes
+    `others` = (f, b, w). The terms a path repeats m times are the rank's own, fill and drain cross the
+    others. `bottom`: the rank is the V's bottom (rank p - 1), which the short-V paths run through."""
+    p, m = pp, micro_batches
+    big_f, big_b, big_w = own
+    f, b, w = others
+    mine = m * (big_f + big_b + big_w)
+    if p <= 1:
+        return mine
+    n = p - 1
+    if schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
+        return mine + n * (f + b + w)
+    if schedule == "zb-h1":
+        return max(m * (big_f + big_b) + n * (f + b) + max(1, m - n) * big_w,
+                   mine + (max(p, m) - m) * f + n * b, mine + n * f + (max(p, m) - m) * b)
+    if schedule != "zbv":
+        raise ValueError(schedule)
+    # One of the rank's two chunks repeated m times, every other chunk crossed once each way.
+    one_chunk = m * (big_f + big_b + big_w - f - b - w) + (2 * p - 1) * (f + b) + w
+
+    def full(batches: int) -> float:  # the V filled: the last input gradient drains across the ranks
+        drain = max(n * b, 2 * n * (b - w), n * (2 * f - b) - w, f + (n - 1) * w)
+        return batches * (big_f + big_b + big_w) + drain
+
+    def short(batches: int) -> float:
+        if not bottom:
+            return one_chunk
+        # Through the V's bottom: the first micro-batch's round trip, then the rank's backward work; or
+        # 1F1B-like, the rank's m micro-batches between one fill and one drain.
+        return max(one_chunk, big_f + 2 * n * (f + b) + batches * (big_b + big_w),
+                   batches * (big_f + big_b + big_w) + n * (f + b))
+
+    if m >= 2 * p - 1:
+        return max(full(m), one_chunk)
+    if m <= p:
+        return short(m)
+    return max(one_chunk, short(p) + (full(2 * p - 1) - short(p)) * (m - p) / (p - 1))
+
+
+def schedule_time(schedule: str, pp: int, virtual_stages: int, micro_batches: int, forward: float,
+                  backward_input: float, backward_weight: float) -> float:
+    """Seconds from the first forward to the last backward of identical stages whose chunks take
+    (forward, backward_input, backward_weight) per micro-batch, without communication (module docstring)."""
+    v = virtual_stages
+    chunk = (forward, backward_input, backward_weight)
+    return rank_path_time(schedule, pp, v, micro_batches, tuple(v * x for x in chunk), chunk)
+
+
+def critical_hops(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
+                  async_p2p: bool) -> tuple[float, float, int]:
+    """Activation (or gradient) transfers on the critical path of one step (module docstring):
+    (hops paid once, hops of the steady-state cycle per micro-batch, micro-batches that cycle)."""
+    p, v, m = pp, virtual_stages, micro_batches
+    if p <= 1:
+        return 0.0, 0.0, 0
+    if not async_p2p:
+        if schedule == "interleaved-1f1b":
+            return (v + 1) * m + 2 * p - 3, 0.0, 0
+        if schedule == "zbv":  # a middle rank sends both chunks both ways; the V's ends hand over locally
+            return (4 if p > 2 else 2) * m + 2, 0.0, 0
+        return 2 * (m + p - 2), 0.0, 0
+    if schedule == "1f1b":  # before the steady state every micro-batch waits on the next rank's reply
+        return 2 * (p - 1) + 2 * max(0, min(m, p) - 2), 2 * (p - 1) / p, max(0, m - p)
+    if schedule == "interleaved-1f1b":
+        return 2 * (v * p - 1), 0.0, 0
+    if schedule == "zb-h1":  # the deferred W passes absorb the steady-state round trips after p of them
+        return 2 * (p - 1) + 2 * min(max(0, m - 2), p - 1), 0.0, 0
+    if schedule == "zbv":
+        return 4 * (p - 1), 0.0, 0
+    return 2 * (p - 1), 0.0, 0
+
+
 @dataclass(frozen=True)
 class PipelineTime:
     total: float  # seconds from the first forward to the last backward of the step
@@ -42,33 +156,29 @@ class PipelineTime:
 
 def pipeline_time(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
                   rank_work: list[tuple[float, float, float]], hop: float, async_p2p: bool,
-                  counts: list[int] | None = None) -> PipelineTime:
+                  ranks: list[list[int]] | None = None) -> PipelineTime:
     """Step time of the pipeline from each rank's (F, B, W) for one micro-batch (all its chunks summed).
 
-    The slowest rank sets the steady-state pace: busy = m * max_r (F_r + B_r + W_r). Fill and drain add
-    (sum_r w_r - max_r w_r) for 1F1B/GPipe (the heterogeneous form of (p-1) w; PipeDream-style analysis),
-    divided by v for interleaved; zero-bubble schedules scale it by their bubble over 1F1B's bubble,
-    evaluated with the pipeline-wide F, B, W. Each of the 2 (p-1) hops of fill and drain costs one
-    activation transfer; without async p2p (Megatron's blocking send/recv) the steady state pays two per
-    micro-batch as well. `counts` (default all 1) says how many ranks share each rank_work entry.
+    The longest critical path over the ranks (rank_path_time with that rank's work repeated and the
+    others' mean chunk crossed); busy = m * max_r (F_r + B_r + W_r), the bubble the rest; p2p =
+    critical_hops * hop, the slowest hop. `ranks[i]` lists the pp ranks that share rank_work[i]
+    (default: entry i is rank i).
     """
     m, p, v = micro_batches, pp, virtual_stages
-    counts = counts or [1] * len(rank_work)
+    ranks = ranks or [[i] for i in range(len(rank_work))]
+    counts = [len(r) for r in ranks]
     slowest = max(f + b + w for f, b, w in rank_work)
     busy = m * slowest
     if p <= 1:
         return PipelineTime(busy, busy, 0.0, 0.0)
-    f = sum(n * x[0] for n, x in zip(counts, rank_work))
-    b = sum(n * x[1] for n, x in zip(counts, rank_work))
-    w = sum(n * x[2] for n, x in zip(counts, rank_work))
-    fill_drain = f + b + w - slowest
-    if schedule == "interleaved-1f1b":
-        bubble = fill_drain / v
-    elif schedule in ("zb-h1", "zbv"):
-        bubble = fill_drain * bubble_ratio(schedule, p, 1, v, f, b, w) / bubble_ratio("1f1b", p, 1)
-    else:
-        bubble = fill_drain
-    p2p = 2 * (p - 1) * hop
-    if not async_p2p:
-        p2p += 2 * (m - 1) * hop
-    return PipelineTime(busy + bubble + p2p, busy, bubble, p2p)
+    sums = [sum(n * x[i] for n, x in zip(counts, rank_work)) for i in range(3)]
+    chunks = (p - 1) * v
+    longest = max(rank_path_time(schedule, p, v, m, work, tuple((total - own) / chunks for total, own in
+                                                                 zip(sums, work)), p - 1 in members)
+                  for work, members in zip(rank_work, ranks))
+    once, cycle, cycles = critical_hops(schedule, p, v, m, async_p2p)
+    # The steady state runs at the slower of the slowest rank and the cycle through all ranks, whose
+    # mean work per micro-batch is the ranks' mean plus its share of the round trip.
+    mean = sum(sums) / p
+    p2p = once * hop + cycles * max(0.0, mean + cycle * hop - slowest)
+    return PipelineTime(longest + p2p, busy, longest - busy, p2p)

@@ -8,18 +8,21 @@ How the step time is composed (the simulator replays exactly this from Estimate.
 2. Pipeline rank r runs the stages Plan.stages_of(r); its per-micro-batch work is
    (F_r, B_r, W_r) = the sums over those stages, and w_r = F_r + B_r + W_r.
 3. pipeline_s = m * max_r w_r + bubble_s + pp_comm_s, with m = Plan.num_micro_batches and
-      bubble_s  = (sum_r w_r - max_r w_r)                 for gpipe and 1f1b
-                  (sum_r w_r - max_r w_r) / v             for interleaved-1f1b
-                  (sum_r w_r - max_r w_r) * R             for zb-h1 and zbv, R = their bubble / 1F1B's
-                  (cost/pipeline.py, evaluated with F, B, W summed over all ranks)
-      pp_comm_s = 2 (p - 1) * max_i C_i   (+ 2 (m - 1) max_i C_i when the stack's p2p is blocking)
-   For equal stages this is (m + p - 1) w for 1F1B: the (p-1)/m bubble of Narayanan et al. 2021.
-4. dp_comm_exposed_s = the data-parallel / ZeRO communication not hidden behind backward (or forward
-   for ZeRO parameter gathers) on the rank where it ends last (cost/step.py, _data_parallel).
+      bubble_s  = (T(f, b, w) - m * mean_r w_r) * (sum_r w_r - max_r w_r) / ((p - 1) mean_r w_r)
+      pp_comm_s = critical_hops(schedule, p, v, m, async p2p) * max_i C_i
+   where T is pipeline.schedule_time: the longest path through torch's action order for identical
+   stages with the mean per-chunk f, b, w (for 1F1B (m + p - 1) w, the (p-1)/m bubble of Narayanan et
+   al. 2021; the zero-bubble schedules' own paths, see cost/pipeline.py).
+4. dp_comm_exposed_s = what data-parallel / ZeRO communication adds (cost/dataparallel.py): the same
+   pipeline formula with every pass stretched by the gathers (and queued reductions) that hold it up,
+   minus pipeline_s; plus once-per-step gathers that delay the first forward; plus reductions still
+   running when the pipeline ends (after each rank's own finish) and the tied-embedding all-reduce.
 5. step_time_s = pipeline_s + dp_comm_exposed_s + optimizer_s.
-Memory: a rank's peak = its model states (ZeRO) + in-flight micro-batches x stored activations
-(cost/memory.py) + transient working memory + the stack's reserved bytes; the plan fits when every
-rank's peak is within its device memory less the headroom.
+Memory: a rank's peak = its model states (ZeRO; gradients stay whole when the stack reduces them only
+once per step) + in-flight micro-batches x stored activations (cost/memory.py) + transient working
+memory (ZeRO-3: the layers being gathered, or all of the rank's weights when they stay gathered between
+passes) + the stack's reserved bytes; the plan fits when every rank's peak is within its device memory
+less the headroom. What the stack does with gradients and weights is cost.stack.data_parallel_sync.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from fivefold.cost.layout import (Layout, RankEnv, layer_costs, layer_work, rank
                                   stage_params)
 from fivefold.cost.memory import GIB, RankMemory, in_flight_chunks, zero_model_state_bytes
 from fivefold.cost.pipeline import pipeline_time
-from fivefold.cost.stack import STACKS, SoftwareStack
+from fivefold.cost.stack import STACKS, SoftwareStack, data_parallel_sync
 from fivefold.spec.plan import Plan
 
 
@@ -135,7 +138,7 @@ class RankGroup:
     def __init__(self, layout: Layout, stack: SoftwareStack, env: RankEnv, costs: tuple, layers: int,
                  first: bool, last: bool, chunks: int, extra_activation: float) -> None:
         layer, embedding, head, activation, _ = costs
-        self.ranks: list[int] = []
+        self.ranks: list[int] = []  # shared with the cached pipeline shape: never mutate
         self.env, self.layers, self.first, self.last, self.chunks = env, layers, first, last, chunks
         cost = layer.scaled(layers)
         if first:
@@ -159,7 +162,7 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
     """
     topology = topology_of(layout.cluster)
     envs = rank_envs(layout, topology)
-    p, num_stages, m_batches = layout.pp, layout.num_stages, layout.num_micro_batches
+    p, m_batches = layout.pp, layout.num_micro_batches
     e = 4 if layout.train.dtype == "fp32" else 2
     tokens = layout.micro_batch * layout.train.seq_len // layout.cp
     activation_message = tokens * layout.model.hidden * e / layout.tp  # SP shard, or Megatron scatter-gather
@@ -170,57 +173,49 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
         layout.tp if layout.sequence_parallel else 1)  # the embedding output (and dropout mask) fed to layer 1
     owners = stage_owners(layout.schedule, p, layout.virtual_stages)
     block = layout.dp * layout.cp * layout.tp  # ranks per pipeline stage; rank_of(pp=r) = r * block
-    first_ranks = [layout.placement[r * block] if layout.placement else r * block for r in range(p)]
-    layers_of, chunks_of = [0] * p, [0] * p
-    for owner, layers in zip(owners, layout.layers_per_stage):
-        layers_of[owner] += layers
-        chunks_of[owner] += 1
-
+    first_ranks, hop_links, shapes = _pipeline_shape(layout, topology, envs, owners, block)
     # The slowest activation transfer between consecutive stages on different ranks.
-    hop, hops = 0.0, {}
-    for index in range(num_stages - 1):
-        a, b = owners[index], owners[index + 1]
-        if a != b:
-            da, db = first_ranks[a], first_ranks[b]
-            key = (topology.node_of[da] == topology.node_of[db], topology.group_of[da], topology.group_of[db])
-            if key not in hops:
-                hops[key] = p2p_time(activation_message, topology.pair_link(da, db))
-            hop = max(hop, hops[key])
+    hop = max((p2p_time(activation_message, link) for link in hop_links), default=0.0)
 
     costs_of: dict[int, tuple] = {}
-    groups: dict[tuple, RankGroup] = {}
-    for r in range(p):
-        env = envs[r]
+    ordered = []
+    for layers, first, last, chunks, env, ranks in shapes:
         if id(env) not in costs_of:
             costs_of[id(env)] = layer_costs(layout, env, stack)
-        key = (layers_of[r], r == owners[0], r == owners[-1], chunks_of[r], id(env))
-        group = groups.get(key)
-        if group is None:
-            group = groups[key] = RankGroup(layout, stack, env, costs_of[id(env)], *key[:4], embedding_activation)
-        group.ranks.append(r)
-    ordered = list(groups.values())
+        group = RankGroup(layout, stack, env, costs_of[id(env)], layers, first, last, chunks, embedding_activation)
+        group.ranks = ranks
+        ordered.append(group)
 
+    members = [g.ranks for g in ordered]
     pipe = pipeline_time(layout.schedule, p, layout.virtual_stages, m_batches, [g.work for g in ordered], hop,
-                         stack.async_p2p, [len(g.ranks) for g in ordered])
-    dp_total, dp_exposed = data_parallel_time(layout, stack, ordered, topology, first_ranks[owners[0]],
-                                          first_ranks[owners[-1]])
+                         stack.async_p2p, members)
+    data = data_parallel_time(layout, stack, ordered, topology, first_ranks[owners[0]], first_ranks[owners[-1]])
+    held = pipe.total
+    if any(s != g.work for s, g in zip(data.stretched, ordered)):
+        held = pipeline_time(layout.schedule, p, layout.virtual_stages, m_batches, data.stretched, hop,
+                             stack.async_p2p, members).total
+    dp_exposed = held - pipe.total + data.head + data.tail
     optimizer = max(optimizer_time(layout, g.env, g.dense, g.expert) for g in ordered)
     step = pipe.total + dp_exposed + optimizer
 
     # Memory: a group peaks on its first rank (the one with the most micro-batches in flight).
     logits = (4 + e) * tokens * padded_vocab(layout.model.vocab, layout.tp) / layout.tp
-    gathered = 2 * sum(stage_params(layout, 1, False, False)) * e if layout.zero == 3 else 0.0  # this + next layer
+    sync = data_parallel_sync(stack, layout.zero, p)
+    layer_weights = 2 * sum(stage_params(layout, 1, False, False)) * e if layout.zero == 3 else 0.0  # this + next
 
     states: dict[int, list[float]] = {}
 
     def memory_parts(group: RankGroup, r: int) -> list[float]:
         if id(group) not in states:
             states[id(group)] = [a + b for a, b in zip(
-                zero_model_state_bytes(group.dense, layout.train.dtype, layout.zero, replica_shard),
-                zero_model_state_bytes(group.expert, layout.train.dtype, layout.zero, expert_shard))]
+                zero_model_state_bytes(group.dense, layout.train.dtype, layout.zero, replica_shard, sync.grads_sharded),
+                zero_model_state_bytes(group.expert, layout.train.dtype, layout.zero, expert_shard,
+                                       sync.grads_sharded))]
         parts = states[id(group)][:]
         chunks = in_flight_chunks(layout.schedule, p, layout.virtual_stages, m_batches, r)
         parts.append(chunks * group.activation / group.chunks)
+        # ZeRO-3 holds the layers being gathered, or, kept gathered between passes, all of the rank's.
+        gathered = (group.dense + group.expert) * e if sync.keeps_gathered else layer_weights
         parts.append(costs_of[id(group.env)][4] + gathered + (logits if group.last else 0.0))
         parts.append(stack.reserved_bytes)
         return parts
@@ -238,7 +233,7 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
     group_of_rank = {r: g for g in ordered for r in g.ranks}
     rank_memory = [RankMemory(*memory_parts(group_of_rank[r], r)) for r in range(p)]
     stages = _stage_list(layout, stack, envs, costs_of, owners, first_ranks, topology, activation_message,
-                         embedding_activation, replica_shard, expert_shard)
+                         embedding_activation, replica_shard, expert_shard, sync.grads_sharded)
     train, world = layout.train, layout.world_size
     model_flops = model_flops_per_step(layout.model, train)
     hardware_flops = hardware_flops_per_step(layout.model, train, layout.recompute)
@@ -257,13 +252,54 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
         bubble_fraction=pipe.bubble / step, fits=fits, memory=RankMemory(*peak_parts),
         peak_pp_rank=peak_group.ranks[0], capacity_bytes=peak_group.env.capacity * (1 - headroom),
         rank_memory=rank_memory, stage_costs=stages, pipeline_s=pipe.total, bubble_s=pipe.bubble,
-        pp_comm_s=pipe.p2p, dp_comm_s=dp_total, dp_comm_exposed_s=dp_exposed, optimizer_s=optimizer,
+        pp_comm_s=pipe.p2p, dp_comm_s=data.total, dp_comm_exposed_s=dp_exposed, optimizer_s=optimizer,
         breakdown_s=breakdown, stack=stack.name)
+
+
+_SHAPES: dict[tuple, tuple] = {}
+
+
+def _pipeline_shape(layout: Layout, topology: Topology, envs: list[RankEnv], owners: list[int],
+                    block: int) -> tuple[list[int], list, list[tuple]]:
+    """(first device of each pp rank, the distinct links between consecutive stages on different ranks,
+    the rank groups as (layers, first, last, chunks, env, ranks)), cached: the planner asks for the same
+    pipeline shape with many micro-batch sizes, ZeRO levels and recompute policies."""
+    p = layout.pp
+    key = (id(topology), id(envs), layout.schedule, p, layout.virtual_stages, block, layout.placement,
+           layout.layers_per_stage)
+    cached = _SHAPES.get(key)
+    if cached is not None and cached[0] is topology and cached[1] is envs:
+        return cached[2]
+    first_ranks = [layout.placement[r * block] if layout.placement else r * block for r in range(p)]
+    layers_of, chunks_of = [0] * p, [0] * p
+    for owner, layers in zip(owners, layout.layers_per_stage):
+        layers_of[owner] += layers
+        chunks_of[owner] += 1
+    links = {}
+    for index in range(len(owners) - 1):
+        a, b = owners[index], owners[index + 1]
+        if a != b:
+            da, db = first_ranks[a], first_ranks[b]
+            link_key = (topology.node_of[da] == topology.node_of[db], topology.group_of[da], topology.group_of[db])
+            if link_key not in links:
+                links[link_key] = topology.pair_link(da, db)
+    groups: dict[tuple, tuple] = {}
+    for r in range(p):
+        group_key = (layers_of[r], r == owners[0], r == owners[-1], chunks_of[r], id(envs[r]))
+        if group_key not in groups:
+            groups[group_key] = (*group_key[:4], envs[r], [])
+        groups[group_key][5].append(r)
+    if len(_SHAPES) > 8192:
+        _SHAPES.clear()
+    result = (first_ranks, list(links.values()), list(groups.values()))
+    _SHAPES[key] = (topology, envs, result)
+    return result
 
 
 def _stage_list(layout: Layout, stack: SoftwareStack, envs: list[RankEnv], costs_of: dict, owners: list[int],
                 first_ranks: list[int], topology: Topology, activation_message: float,
-                embedding_activation: float, replica_shard: int, expert_shard: int) -> list[StageCost]:
+                embedding_activation: float, replica_shard: int, expert_shard: int,
+                grads_sharded: bool) -> list[StageCost]:
     """One StageCost per virtual stage, model order (identical stages are computed once)."""
     stages = []
     num_stages = len(owners)
@@ -286,8 +322,9 @@ def _stage_list(layout: Layout, stack: SoftwareStack, envs: list[RankEnv], costs
                 cost = cost + head
             send = 0.0 if target is None else p2p_time(activation_message, topology.pair_link(source, target))
             dense, expert = stage_params(layout, layers, first, last, holds_embedding=r == owners[0])
-            static = sum(zero_model_state_bytes(dense, layout.train.dtype, layout.zero, replica_shard)) + sum(
-                zero_model_state_bytes(expert, layout.train.dtype, layout.zero, expert_shard))
+            static = sum(zero_model_state_bytes(dense, layout.train.dtype, layout.zero, replica_shard,
+                                                grads_sharded)) + sum(
+                zero_model_state_bytes(expert, layout.train.dtype, layout.zero, expert_shard, grads_sharded))
             fields = made[key] = dict(
                 forward=cost.forward, backward_input=cost.backward_input + cost.recompute,
                 backward_weight=cost.backward_weight, send_activation=send,

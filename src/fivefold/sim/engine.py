@@ -13,21 +13,28 @@ Communication runs beside compute, as the runtime issues it:
 - gradient reduction (DDP all-reduce, ZeRO reduce-scatter) of a stage runs on the rank's data-parallel
   communicator (one collective at a time, in issue order, shared with the parameter gathers) after its
   weight-gradient action (B, or W for zero-bubble schedules): once per step after the last one
-  (ZeRO-0/1; torch's REDUCE_GRAD follows it) or after every one (ZeRO-2/3). Buckets (about one per layer)
-  become ready one by one: the reduction starts once the first bucket is ready and cannot end before the
-  last bucket, ready when the action ends, is reduced. Compute never waits for it, the optimizer does.
+  (ZeRO-0/1; torch's REDUCE_GRAD follows it) or after every one (ZeRO-2/3). Which one, per stack and
+  ZeRO level, is cost.stack.data_parallel_sync's answer, shared with the estimate. Buckets (about one per
+  layer) become ready one by one: the reduction starts once the first bucket is ready and cannot end
+  before the last bucket, ready when the action ends, is reduced. Compute never waits for it, the
+  optimizer does (and a later gather queued behind it on the communicator).
 - parameter all-gathers run on the same communicator, layer by layer ahead of the compute that needs
-  them: ZeRO-1/2 gather the updated weights once per step from t=0 (prefetched under the first forward);
-  ZeRO-3 (FSDP, resharded after forward) gathers before every forward and every backward. A pass over L
-  layers whose gather starts at g0 starts after the first layer's share (g0 + G/L) and ends no earlier
-  than the gather plus one layer of compute (g0 + G + D/L).
+  them. A stage's weights start the step sharded; a forward or backward (F, B, I; W needs no weights)
+  gathers them when they are sharded, and afterwards they stay gathered unless the stage reshards after
+  that kind of pass (FSDP2's reshard_after_forward / reshard_after_backward). A stage that never
+  reshards (ZeRO-1/2) gathers once per step, issued at t=0 (prefetched under the first forward); other
+  gathers are issued when the pass could otherwise start: ZeRO-3 resharding after both kinds of pass
+  gathers before every forward and backward. A pass over L layers whose gather starts at g0 starts after
+  the first layer's share (g0 + G/L) and ends no earlier than the gather plus one layer of compute
+  (g0 + G + D/L).
 - tied embeddings with pp > 1: the first and last stage's ranks all-reduce the embedding gradient when
   both are done reducing, before their optimizer steps.
 - the optimizer steps start when every rank's compute is done and its collectives have landed: the
   runtime clips gradients by their global norm, an all-reduce over all ranks.
 - a SoftwareStack that does not overlap (overlap_grad_reduce / overlap_param_gather / async_p2p off)
   makes the rank wait instead: reduction after the backward, the whole gather before the pass, the
-  sender until its send is through.
+  sender until its send is through. torch.distributed.pipelining with FSDP2 (the `fivefold` stack under
+  pp > 1) is of this kind: REDUCE_GRAD runs after a stage's last backward and the compute stream waits.
 
 Memory of a rank over time: static bytes of its stages and its base bytes (workspaces, transient
 buffers) plus the activation bytes of every micro-batch from the start of its forward until its backward
@@ -64,7 +71,8 @@ class StageTimes:
     grad_reduce: float = 0.0  # one data-parallel reduction of this stage's gradients
     reduce_every_micro_batch: bool = False  # ZeRO-2/3: after every backward; else once, after the last
     param_gather: float = 0.0  # one all-gather of this stage's parameters
-    gather_every_pass: bool = False  # ZeRO-3: before every forward and backward; else once per step
+    reshard_after_forward: bool = False  # weights freed after a forward (ZeRO-3): the next pass gathers
+    reshard_after_backward: bool = False  # weights freed after a backward: the next forward gathers
     buckets: int = 1  # layers: gradient buckets / gathered modules that are ready one by one
 
 
@@ -172,7 +180,7 @@ def simulate(step: StepInput) -> SimResult:
     # the collectives of one communicator one after another, in the order they are issued.
     collective_free = [0.0] * step.pp
     compute_free = [0.0] * step.pp
-    gathered_once: set[int] = set()  # stages whose once-per-step gather has been issued
+    gathered: set[int] = set()  # stages whose weights are gathered right now
 
     def input_ready(action: Action) -> float | None:
         """When the action's input is on its rank; None while it is not yet produced."""
@@ -196,12 +204,12 @@ def simulate(step: StepInput) -> SimResult:
     def gather_before(action: Action) -> float:
         """Seconds of parameter gathering this action waits for (0 when none)."""
         times = step.stages[action.stage]
-        if times.param_gather <= 0 or action.kind == BACKWARD_WEIGHT:
+        if times.param_gather <= 0 or action.kind == BACKWARD_WEIGHT or action.stage in gathered:
             return 0.0
-        if times.gather_every_pass:
-            return times.param_gather
-        first_use = action.kind == FORWARD and action.stage not in gathered_once
-        return times.param_gather if first_use else 0.0
+        return times.param_gather
+
+    def reshards(times: StageTimes) -> bool:
+        return times.reshard_after_forward or times.reshard_after_backward
 
     def timing(rank: int, action: Action, ready: float) -> tuple[float, float, float]:
         """(start, end, gather start) of an action whose input is ready at `ready`."""
@@ -211,7 +219,7 @@ def simulate(step: StepInput) -> SimResult:
         if gather <= 0:
             return start, start + duration, -1.0
         # Once-per-step gathers are issued at t=0; per-pass gathers when the pass could otherwise start.
-        issue = 0.0 if not step.stages[action.stage].gather_every_pass else start
+        issue = start if reshards(step.stages[action.stage]) else 0.0
         gather_start = max(collective_free[rank], issue)
         if not step.overlap_param_gather:
             start = max(start, gather_start + gather)
@@ -258,9 +266,11 @@ def simulate(step: StepInput) -> SimResult:
         if gather_start >= 0:
             gather_end = gather_start + gather_before(action)
             collective_free[rank] = gather_end
-            gathered_once.add(action.stage)
             events.append(Event(rank, "comm", PARAM_GATHER, gather_start, gather_end, action.stage,
                                 action.micro_batch))
+        if times.param_gather > 0 and action.kind != BACKWARD_WEIGHT:
+            frees = times.reshard_after_forward if action.kind == FORWARD else times.reshard_after_backward
+            (gathered.discard if frees else gathered.add)(action.stage)
         compute_free[rank] = end
         cursor[rank] += 1
         remaining -= 1

@@ -58,44 +58,26 @@ def _schedule_of(plan: Plan) -> str:
     return plan.schedule
 
 
-def _collectives(plan: Plan, gradient_bytes: int) -> tuple[list[tuple[float, float]], float]:
+def _collectives(plan: Plan, stack: Any) -> tuple[list[tuple[float, float]], float]:
     """Per virtual stage (one gradient reduction, one parameter gather) in seconds, and the tied-embedding
-    all-reduce. Which collectives run per ZeRO level is the runtime's (and cost/step.py's) choice:
-    ZeRO-0 all-reduces gradients; ZeRO-1/2 reduce-scatter them and all-gather the updated weights; ZeRO-3
-    gathers the weights for every pass. Times come from the cost model's collective formulas and links."""
-    from fivefold.cost.comm import all_gather_time, all_reduce_time, topology_of
-    from fivefold.cost.compute import dtype_bytes
-    from fivefold.cost.layer import padded_vocab
-    from fivefold.cost.step import Layout, stage_params
+    all-reduce: the cost model's own collective formulas (cost/dataparallel.py) over the same links."""
+    from fivefold.cost.comm import topology_of
+    from fivefold.cost.dataparallel import sync_seconds, tied_embedding_seconds
+    from fivefold.cost.layout import Layout, rank_envs, stage_params
 
     layout, topology = Layout.of_plan(plan), topology_of(plan.cluster)
-    weight_bytes = dtype_bytes(plan.train.dtype)
-
-    def link(ranks: list[int]):
-        return topology.group_link([plan.placement[r] for r in ranks])
-
+    envs = rank_envs(layout, topology)
+    first_owner = plan.stage_owner(0)
     out = []
     for index, layers in enumerate(plan.layers_per_stage):
         pp_rank = plan.stage_owner(index)
-        replicas = [plan.rank_of(pp=pp_rank, dp=i, cp=j) for i in range(plan.dp) for j in range(plan.cp)]
-        dense, expert = stage_params(layout, layers, index == 0, index == plan.num_stages - 1)
-        expert_replicas = replicas[::plan.ep] if plan.ep > 1 else replicas
-        reduce = gather = 0.0
-        for params, group in ((dense, link(replicas)), (expert, link(expert_replicas))):
-            if params <= 0:
-                continue
-            if plan.zero == 0:
-                reduce += all_reduce_time(params * gradient_bytes, group)
-            else:  # reduce-scatter costs what an all-gather of the same tensor costs
-                reduce += all_gather_time(params * gradient_bytes, group)
-                gather += all_gather_time(params * weight_bytes, group)
-        out.append((reduce, gather))
-    tied = 0.0
-    model = plan.model
-    if model.tied_embeddings and plan.pp > 1:
-        first, last = plan.stage_owner(0), plan.stage_owner(plan.num_stages - 1)
-        pair = topology.pair_link(plan.placement[plan.rank_of(pp=first)], plan.placement[plan.rank_of(pp=last)])
-        tied = all_reduce_time(padded_vocab(model.vocab, plan.tp) * model.hidden / plan.tp * gradient_bytes, pair)
+        dense, expert = stage_params(layout, layers, index == 0, index == plan.num_stages - 1,
+                                     holds_embedding=pp_rank == first_owner)
+        out.append(sync_seconds(layout, stack, envs[pp_rank], dense, expert))
+    last_owner = plan.stage_owner(plan.num_stages - 1)
+    devices = plan.placement or range(plan.world_size)
+    tied = tied_embedding_seconds(layout, stack, topology, devices[plan.rank_of(pp=first_owner)],
+                                  devices[plan.rank_of(pp=last_owner)])
     return out, tied
 
 
@@ -108,11 +90,13 @@ def from_estimate(plan: Plan, estimate: Any, stage_scale: dict[int, float] | Non
     for stage in stage_scale:
         if not 0 <= stage < plan.num_stages:
             raise SpecError("--stage-time", stage, f"the plan has virtual stages 0..{plan.num_stages - 1}")
-    from fivefold.cost.stack import STACKS
+    from fivefold.cost.stack import STACKS, data_parallel_sync
 
-    # The software stack the estimate assumed decides what overlaps (the same flags the estimate uses).
+    # The software stack the estimate assumed decides which collectives run when and what overlaps: the
+    # same DataParallelSync the estimate follows.
     stack = STACKS.get(getattr(estimate, "stack", "modern"), STACKS["modern"])
-    collectives, tied = _collectives(plan, stack.gradient_bytes(plan.train.dtype))
+    sync = data_parallel_sync(stack, plan.zero, plan.pp)
+    collectives, tied = _collectives(plan, stack)
     stages = []
     for index, cost in enumerate(costs):
         scale = stage_scale.get(index, 1.0)
@@ -121,19 +105,22 @@ def from_estimate(plan: Plan, estimate: Any, stage_scale: dict[int, float] | Non
             forward=cost.forward * scale, backward_input=cost.backward_input * scale,
             backward_weight=cost.backward_weight * scale, send_activation=cost.send_activation,
             activation_bytes=cost.activation_bytes, static_bytes=cost.static_bytes,
-            grad_reduce=reduce, reduce_every_micro_batch=plan.zero >= 2, param_gather=gather,
-            gather_every_pass=plan.zero == 3, buckets=plan.layers_per_stage[index]))
+            grad_reduce=reduce, reduce_every_micro_batch=sync.reduce_every_micro_batch, param_gather=gather,
+            reshard_after_forward=sync.reshard_after_forward, reshard_after_backward=sync.reshard_after_backward,
+            buckets=plan.layers_per_stage[index]))
     base = tuple(m.transient + m.reserved for m in getattr(estimate, "rank_memory", ()))
     optimizer = float(getattr(estimate, "optimizer_s", 0.0) or 0.0)
     title = plan.describe() + f" on {plan.cluster.label}, {plan.model.name}"
     if stage_scale:
         title += " | what-if: " + ", ".join(f"stage {s} x{v:g}" for s, v in sorted(stage_scale.items()))
+    # With uneven micro-batches per replica the estimate costs the replica that sets the pace; replay that one.
+    micro_batches = int(getattr(estimate, "micro_batches", 0) or plan.num_micro_batches)
     return StepInput(schedule=_schedule_of(plan), pp=plan.pp, virtual_stages=plan.virtual_stages,
-                     micro_batches=plan.num_micro_batches, stages=tuple(stages),
+                     micro_batches=micro_batches, stages=tuple(stages),
                      optimizer=(optimizer,) * plan.pp, tied_embedding_sync=tied,
                      rank_base_bytes=base if len(base) == plan.pp else (), rank_labels=rank_labels(plan),
-                     title=title, overlap_grad_reduce=stack.overlap_grad_reduce,
-                     overlap_param_gather=stack.overlap_param_gather, async_p2p=stack.async_p2p)
+                     title=title, overlap_grad_reduce=sync.reduce_overlapped,
+                     overlap_param_gather=sync.gather_overlapped, async_p2p=stack.async_p2p)
 
 
 def simulate_plan(plan: Plan, stage_scale: dict[int, float] | None = None, estimate: Any = None) -> SimResult:
