@@ -61,6 +61,12 @@ def add_layout_flags(parser: argparse.ArgumentParser, for_search: bool = False) 
         group.add_argument("--plan", default=None, help="a plan TOML file (replaces all the flags above)")
 
 
+def add_stack_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stack", default="modern", help="software the cost model assumes: modern (default), "
+                        "megatron-core (TP overlap), megatron-lm-2022 (no FlashAttention, DDP without overlap), "
+                        "fivefold (this project's runtime)")
+
+
 def add_json_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
 
@@ -172,7 +178,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 entry["simulated_step_time_s"] = simulated[id(candidate.plan)]
             ranked.append({"rank": rank, **entry, "layout": candidate.plan.to_dict()["plan"]})
         print_json({"model": model.name, "cluster": cluster.label, "candidates": ranked,
-                    "explanation": result.explanation, "examined": result.examined, "costed": result.costed,
+                    "explanation": result.explanation, "placement": result.placement,
+                    "examined": result.examined, "costed": result.costed,
                     "seconds": result.seconds, "candidates_per_s": result.candidates_per_s, "out": args.out})
         return 0
     from fivefold.planner.render import plan_renderables
@@ -187,6 +194,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                  if id(c.plan) in simulated]
         out.print(f"re-ranked the best {len(simulated)} by simulated step time: " + ", ".join(times))
     out.print(f"why #1: {result.explanation}")
+    for line in result.placement:  # mixed clusters: which group holds what, and why
+        out.print(f"#1 {line}")
     out.print(f"searched {result.examined:,} candidate plans ({result.costed:,} costed in full) in "
               f"{result.seconds:.2f} s: {result.candidates_per_s:,.0f} candidates/s")
     if args.out:
@@ -256,21 +265,26 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    for flag, given in (("--checkpoint-dir", args.checkpoint_dir), ("--checkpoint-every", args.checkpoint_every),
-                        ("--resume", args.resume), ("--init-from-hf", args.init_from_hf), ("--trace", args.trace)):
-        if given:
-            raise NotBuilt(f"fivefold train {flag}: checkpoints and traces are not in the runtime yet (issues 6, 9)")
+    from fivefold.checkpoint.resume import check_checkpoint_flags, plan_for_hf, resume_checkpoint
+
+    if args.trace and not args.metrics_file:
+        raise SpecError("--trace", True, "needs --metrics-file RUN/metrics.jsonl: the trace is written next to it")
     from fivefold.runtime import RunConfig, check_runnable, launch, torchrun_command
     from fivefold.runtime.launch import WorkerFailed, check_data, nodes_of, resolve_device
 
     # Everything that can be wrong with the plan, the flags or the data fails here, before any process starts.
     plan = plan_from_args(args)
+    check_checkpoint_flags(args.checkpoint_dir, args.checkpoint_every, args.keep, args.resume)
+    if args.init_from_hf:  # the folder's config.json decides the model
+        plan = plan_for_hf(plan, args.init_from_hf, bool(args.plan), bool(args.layers_per_stage))
     device, gpus = resolve_device(args.device)
     nproc = args.nproc if args.nproc is not None else plan.world_size
     check_runnable(plan, nproc, device, gpus)
     if args.steps < 1:
         raise SpecError("--steps", args.steps, "must be at least 1")
     check_data(plan, args.data, args.tokenizer)
+    resume_from = resume_checkpoint(plan, args.checkpoint_dir, args.resume, args.seed, args.steps,
+                                    warn=lambda line: print(f"warning: {line}", file=sys.stderr))
     plan_file = args.plan
     if args.metrics_file:  # the run folder keeps its plan, for `fivefold report`
         run_dir = Path(args.metrics_file).parent
@@ -280,7 +294,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = RunConfig(plan_toml=plan.to_toml(), steps=args.steps, seed=args.seed, lr=args.lr,
                        warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, data=args.data,
                        tokenizer=args.tokenizer, device=device,
-                       metrics_file=args.metrics_file, progress_to_stderr=args.json)
+                       metrics_file=args.metrics_file, progress_to_stderr=args.json, trace=args.trace,
+                       checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, keep=args.keep,
+                       resume_from=str(resume_from) if resume_from else None, init_from_hf=args.init_from_hf)
     info = sys.stderr if args.json else sys.stdout
     nodes, per_node = nodes_of(plan)
     print(f"on several machines, run on each: {torchrun_command(plan_file or 'PLAN.toml', config, nodes, per_node)}",
@@ -293,10 +309,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.json:
         print_json(summary)
         return 0
+    saves = ""
+    if args.checkpoint_dir:
+        blocked = summary["checkpoint_seconds"]["blocked"]  # per save: how long training waited for it
+        saves = (f"; checkpoints in {args.checkpoint_dir} (training waited {sum(blocked):.2f} s for "
+                 f"{len(blocked)} save(s))")
     print(f"done: {summary['steps']} steps of {summary['plan']}, final loss {summary['final_loss']:.4f}, "
           f"{summary['tokens_per_s']:,.0f} tok/s, mfu {100 * summary['mfu']:.2f}%, "
           f"peak memory {summary['peak_memory_gib']:.2f} GiB"
-          + (f"; metrics in {args.metrics_file}" if args.metrics_file else ""))
+          + (f"; metrics in {args.metrics_file}" if args.metrics_file else "") + saves)
     return 0
 
 
@@ -358,7 +379,18 @@ def console_err():
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    raise NotBuilt("fivefold report: predicted-vs-measured reports are not built yet (issue 9)")
+    from fivefold.report import report_run
+
+    report = report_run(args.run, args.stack)
+    if args.json:
+        print_json(report.to_dict())
+        return 0
+    from fivefold.report.render import report_renderables
+
+    out = console()
+    for renderable in report_renderables(report):
+        out.print(renderable, soft_wrap=isinstance(renderable, str))
+    return 0
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -409,15 +441,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of device memory kept free (default: 0.1)")
     p.add_argument("--out", default=None, help="write the best plan to this TOML file")
     p.add_argument("--simulate-top", type=int, default=0, help="re-rank the best N by simulation")
-    p.add_argument("--stack", default="modern", help="software the cost model assumes: modern (default), "
-                   "megatron-core (TP overlap), megatron-lm-2022 (no FlashAttention, DDP without overlap)")
+    add_stack_flag(p)
     add_json_flag(p)
 
     p = verb("estimate", "predict step time, throughput, memory and bubble of one plan", cmd_estimate)
     add_spec_flags(p)
     add_layout_flags(p)
-    p.add_argument("--stack", default="modern", help="software the cost model assumes: modern (default), "
-                   "megatron-core (TP overlap), megatron-lm-2022 (no FlashAttention, DDP without overlap)")
+    add_stack_flag(p)
     add_json_flag(p)
 
     p = verb("simulate", "replay one step of a plan rank by rank; write a trace and a timeline picture",
@@ -443,11 +473,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (default: 1.0)")
     p.add_argument("--metrics-file", default=None,
                    help="append one JSON line per step here; its folder also gets plan.toml")
-    p.add_argument("--checkpoint-dir", default=None, help="where checkpoints go")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (0 = never)")
-    p.add_argument("--keep", type=int, default=3, help="checkpoints kept (default: 3)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    p.add_argument("--init-from-hf", default=None, help="start from a local Hugging Face Llama folder")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="folder of step-XXXXXXXX checkpoints (saved in the background; always after the last step)")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="also save every K steps (default: 0, only at the end)")
+    p.add_argument("--keep", type=int, default=3, help="complete checkpoints kept (default: 3)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir, under any plan")
+    p.add_argument("--init-from-hf", default=None,
+                   help="initial weights from a local Hugging Face Llama folder (its config.json sets the model)")
     p.add_argument("--max-restarts", type=int, default=0, help="restarts after a worker dies (default: 0)")
     p.add_argument("--trace", action="store_true", help="record a per-rank timeline for `fivefold report`")
     add_json_flag(p)
@@ -460,6 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verb("report", "compare what a run's plan predicted with what the run measured", cmd_report)
     p.add_argument("run", help="run folder (with plan.toml and metrics.jsonl) or a metrics file")
+    p.add_argument("--stack", default=None, help="software the cost model assumes (default: fivefold, the "
+                   "runtime's own, when the cost model has it, else modern)")
     add_json_flag(p)
 
     p = verb("convert", "convert checkpoints to and from Hugging Face format", cmd_convert)
