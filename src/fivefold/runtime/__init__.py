@@ -6,6 +6,7 @@ ZeRO levels, torch.distributed.pipelining schedules, activation checkpointing, a
     pipeline.py     stage models cut from the plan's layers per stage, PipelineStage, schedules
     optim.py        AdamW, warmup + cosine, clipping by the global gradient norm
     train.py        the training loop of one worker (RunConfig -> summary)
+    checkpointing.py  async save, exact resume, resharding to another plan, initial weights from HF
     metrics.py      metrics file, progress bar, MFU, peak memory
     launch.py       pre-launch checks, local worker processes, the torchrun command line
     worker.py       `python -m fivefold.runtime.worker` for torchrun on several machines

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -15,6 +16,10 @@ from fivefold.spec import Plan
 GIB = 2**30
 METRIC_FIELDS = ("step", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s", "mfu",
                  "peak_memory_gib")
+# For `fivefold report`: per-rank lists (index = global rank) of each rank's peak memory and its own step
+# time, from its step start until its optimizer step is done (before the loss and these are gathered);
+# and first_step, the first step this launch ran (> 1 after a resume), where its warm-up begins.
+PER_RANK_FIELDS = ("peak_memory_gib_per_rank", "step_time_s_per_rank")
 
 
 def peak_flops(plan: Plan, dtype: str) -> float:
@@ -29,6 +34,27 @@ def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / GIB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # Linux reports KiB
+
+
+def seconds_since(start: float, device: torch.device) -> float:
+    """perf_counter seconds since `start`, once this rank's queued GPU work is done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def gather_from_ranks(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's `values`, indexed by rank, on every rank. One all-reduce (sum) of a [world, len(values)]
+    table in which each rank fills its own row: it replaces the all-reduce of the peak memory the loop
+    did before, at about its cost (gloo, 2 ranks: 0.44 ms against 0.36 ms; an all_gather took 0.76 ms)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [list(values)]
+    table = torch.zeros(dist.get_world_size(), len(values), dtype=torch.float64, device=device)
+    table[dist.get_rank()] = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(table)
+    return table.tolist()
 
 
 class MetricsFile:

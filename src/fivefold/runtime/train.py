@@ -25,12 +25,16 @@ from torch import nn
 
 from fivefold.cost.flops import model_flops_per_step
 from fivefold.models import init_weights
+from fivefold.runtime.checkpointing import Checkpointer, log_to
 from fivefold.runtime.mesh import Mesh, build_mesh, init_distributed, pick_device
-from fivefold.runtime.metrics import MetricsFile, Progress, peak_flops, peak_memory_gib
+from fivefold.runtime.metrics import (MetricsFile, Progress, gather_from_ranks, peak_flops, peak_memory_gib,
+                                      seconds_since)
 from fivefold.runtime.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from fivefold.runtime.parallelize import (apply_activation_checkpointing, apply_data_parallel,
                                           apply_tensor_parallel, set_gradient_sync)
 from fivefold.runtime.pipeline import build_schedule, build_stage_model, run_schedule
+from fivefold.runtime.slowdown import slow_down
+from fivefold.runtime.trace import BACKWARD, FORWARD, OPTIMIZER, StepTracer
 from fivefold.spec import Plan, plan_from_dict
 
 
@@ -50,6 +54,13 @@ class RunConfig:
     metrics_file: str | None = None  # JSON lines, written by rank 0
     show_progress: bool = True  # rank 0 draws progress (bar on a terminal, lines otherwise)
     progress_to_stderr: bool = False  # keep stdout for a JSON summary
+    trace: bool = False  # time every action of a few steps on every rank (runtime/trace.py)
+    checkpoint_dir: str | None = None  # root of step-XXXXXXXX checkpoints; None = no saving
+    checkpoint_every: int = 0  # save every K steps (and always after the last step); 0 = only at the end
+    keep: int = 3  # complete checkpoints kept (older ones are deleted)
+    checkpoint_async: bool = True  # write in the background; False = training waits for the write
+    resume_from: str | None = None  # a checkpoint folder to continue from (the CLI picks the newest)
+    init_from_hf: str | None = None  # a Hugging Face Llama folder giving the initial weights
 
     @property
     def plan(self) -> Plan:
@@ -80,7 +91,7 @@ def build_model_parts(plan: Plan, mesh: Mesh, seed: int, param_dtype: torch.dtyp
     """This rank's stage models, keyed by virtual stage index, parallelized and initialised."""
     parts = {}
     for stage in plan.stages_of(mesh.coords["pp"]):
-        model = build_stage_model(plan, stage)
+        model = slow_down(build_stage_model(plan, stage), plan, mesh.rank)  # test-only knob (slowdown.py)
         if plan.tp > 1:
             apply_tensor_parallel(model, mesh["tp"], plan.sequence_parallel)
         apply_activation_checkpointing(model, plan.recompute)
@@ -141,6 +152,7 @@ def train(config: RunConfig) -> dict:
     if plan.pp > 1:
         schedule = build_schedule(plan, parts, mesh.group("pp"), device, micro_batches, loss_fn)
     model = parts[0] if plan.pp == 1 else None
+    tracer = StepTracer.for_run(config, plan, mesh.rank, device, schedule)
     loader = make_loader(config, plan)
     rows = replica_rows(plan, dp_rank)
 
@@ -149,12 +161,15 @@ def train(config: RunConfig) -> dict:
     total_peak_flops = peak_flops(plan, "fp32" if param_dtype is None else "bf16")
     metrics = MetricsFile(config.metrics_file if is_rank0 else None)
     stream = sys.stderr if config.progress_to_stderr else sys.stdout
+    checkpointer = Checkpointer(config, plan, mesh, parts, optimizer, loader)
+    first_step = checkpointer.start(log_to(stream) if is_rank0 else None)  # > 0 when resuming
     progress = Progress(config.steps, f"training {plan.model.name}: {plan.describe()} on {plan.world_size} "
                         f"{device.type} process(es)", stream) if is_rank0 and config.show_progress else None
     history: list[dict] = []
-    tokens = 0
-    for step in range(config.steps):
+    tokens = first_step * plan.train.tokens_per_step
+    for step in range(first_step, config.steps):
         start = time.perf_counter()
+        tracer.begin_step(step + 1)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         lr = lr_at(step, config.lr, config.warmup_steps, config.steps)
@@ -172,36 +187,45 @@ def train(config: RunConfig) -> dict:
                 for index, (mb_inputs, mb_targets) in enumerate(zip(inputs.split(plan.micro_batch),
                                                                     targets.split(plan.micro_batch))):
                     set_gradient_sync(model, plan.zero, last_micro_batch=index == micro_batches - 1)
-                    loss = loss_fn(model(mb_inputs), mb_targets)
-                    loss.backward()
+                    with tracer.span(FORWARD, 0, index):
+                        loss = loss_fn(model(mb_inputs), mb_targets)
+                    with tracer.span(BACKWARD, 0, index):
+                        loss.backward()
                     local_loss += loss.detach()
 
         grad_norm = clip_grad_norm_(params, config.grad_clip, plan)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with tracer.span(OPTIMIZER):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        own_step_time = seconds_since(start, device)  # this rank's step, before the gathers below
         loss_value = reduce_loss(local_loss, plan, mesh)
-        memory = peak_memory_gib(device)
-        if plan.world_size > 1:  # the busiest rank's memory is the one that must fit
-            memory_tensor = torch.tensor([memory], device=device)
-            dist.all_reduce(memory_tensor, op=dist.ReduceOp.MAX)
-            memory = memory_tensor.item()
+        memory_per_rank, time_per_rank = zip(*gather_from_ranks([peak_memory_gib(device), own_step_time], device))
+        memory = max(memory_per_rank)  # the busiest rank's memory is the one that must fit
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_time = time.perf_counter() - start
+        tracer.end_step()
 
         tokens += plan.train.tokens_per_step
         record = {"step": step + 1, "loss": loss_value, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
                   "step_time_s": step_time, "tokens_per_s": plan.train.tokens_per_step / step_time,
-                  "mfu": flops_per_step / (step_time * total_peak_flops), "peak_memory_gib": memory}
+                  "mfu": flops_per_step / (step_time * total_peak_flops), "peak_memory_gib": memory,
+                  "peak_memory_gib_per_rank": list(memory_per_rank), "step_time_s_per_rank": list(time_per_rank),
+                  "first_step": first_step + 1}
         history.append(record)
         if is_rank0:
             metrics.write(record)
             if progress is not None:
                 progress.update(record)
+        checkpointer.step_done(step + 1)
+    checkpointer.close()
     if progress is not None:
         progress.close()
+    tracer.finish()
     metrics.close()
-    return summarize(plan, device, history, config) if is_rank0 else {}
+    if not is_rank0:
+        return {}
+    return {**summarize(plan, device, history, config), "checkpoint_seconds": checkpointer.seconds}
 
 
 def summarize(plan: Plan, device: torch.device, history: list[dict], config: RunConfig) -> dict:
