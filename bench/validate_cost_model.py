@@ -33,9 +33,10 @@ from fivefold.errors import FivefoldError  # noqa: E402
 from fivefold.planner import balanced_layers  # noqa: E402
 from fivefold.spec import ModelSpec, Plan, TrainSpec, parse_cluster  # noqa: E402
 
-DEFAULT_REFERENCE = Path("/work/shared/reference")
-if not DEFAULT_REFERENCE.is_dir():
-    DEFAULT_REFERENCE = ROOT / "shared" / "reference"
+# The development set lives in shared/ beside the repository (that is where CI puts it too).
+DEFAULT_REFERENCE = next((path for path in (ROOT.parent / "shared" / "reference", ROOT / "shared" / "reference",
+                                            Path("/work/shared/reference")) if path.is_dir()),
+                         ROOT.parent / "shared" / "reference")
 
 
 def gpt(layers: int, hidden: int, heads: int, seq_len: int, vocab: int = 50257) -> ModelSpec:
