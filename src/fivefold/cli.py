@@ -266,6 +266,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from fivefold.checkpoint.resume import check_checkpoint_flags, plan_for_hf, resume_checkpoint
+    from fivefold.elastic.guard import check_guard_flags
 
     if args.trace and not args.metrics_file:
         raise SpecError("--trace", True, "needs --metrics-file RUN/metrics.jsonl: the trace is written next to it")
@@ -279,6 +280,24 @@ def cmd_train(args: argparse.Namespace) -> int:
         plan = plan_for_hf(plan, args.init_from_hf, bool(args.plan), bool(args.layers_per_stage))
     device, gpus = resolve_device(args.device)
     nproc = args.nproc if args.nproc is not None else plan.world_size
+    check_guard_flags(args.max_loss_spike, args.max_bad_steps)
+    if not args.collective_timeout > 0:
+        raise SpecError("--collective-timeout", args.collective_timeout, "must be a positive number of seconds")
+    if args.max_restarts < 0:
+        raise SpecError("--max-restarts", args.max_restarts, "must be 0 or more")
+    if not (args.straggler_factor == 0 or args.straggler_factor > 1):
+        raise SpecError("--straggler-factor", args.straggler_factor, "must be above 1, or 0 to disable")
+    if args.straggler_patience < 1:
+        raise SpecError("--straggler-patience", args.straggler_patience, "must be at least 1 step")
+    if args.resume and nproc != plan.world_size:  # shrinking or growing: a plan for the new world size
+        from fivefold.elastic.replan import replan_for_world
+        from fivefold.planner import Choices
+
+        fixed = Choices() if args.plan else Choices(
+            dp=args.dp, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch, schedule=args.schedule,
+            virtual_stages=args.virtual_stages, recompute=args.recompute, zero=args.zero)
+        plan, line = replan_for_world(plan, nproc, fixed, lambda p: check_runnable(p, nproc, device, gpus))
+        print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
     check_runnable(plan, nproc, device, gpus)
     if args.steps < 1:
         raise SpecError("--steps", args.steps, "must be at least 1")
@@ -286,17 +305,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     resume_from = resume_checkpoint(plan, args.checkpoint_dir, args.resume, args.seed, args.steps,
                                     warn=lambda line: print(f"warning: {line}", file=sys.stderr))
     plan_file = args.plan
+    run_dir = None  # events.jsonl, pids/ and recovery.json (fivefold.elastic)
     if args.metrics_file:  # the run folder keeps its plan, for `fivefold report`
         run_dir = Path(args.metrics_file).parent
         run_dir.mkdir(parents=True, exist_ok=True)
         plan.save(run_dir / "plan.toml")
         plan_file = plan_file or str(run_dir / "plan.toml")
+    elif args.checkpoint_dir:
+        run_dir = Path(args.checkpoint_dir)
+    if run_dir is not None:
+        (run_dir / "events.jsonl").unlink(missing_ok=True)  # this launch's events only
     config = RunConfig(plan_toml=plan.to_toml(), steps=args.steps, seed=args.seed, lr=args.lr,
                        warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, data=args.data,
                        tokenizer=args.tokenizer, device=device,
                        metrics_file=args.metrics_file, progress_to_stderr=args.json, trace=args.trace,
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, keep=args.keep,
-                       resume_from=str(resume_from) if resume_from else None, init_from_hf=args.init_from_hf)
+                       resume_from=str(resume_from) if resume_from else None, init_from_hf=args.init_from_hf,
+                       run_dir=str(run_dir) if run_dir else None, max_loss_spike=args.max_loss_spike,
+                       max_bad_steps=args.max_bad_steps, straggler_factor=args.straggler_factor,
+                       straggler_patience=args.straggler_patience, collective_timeout=args.collective_timeout)
     info = sys.stderr if args.json else sys.stdout
     nodes, per_node = nodes_of(plan)
     print(f"on several machines, run on each: {torchrun_command(plan_file or 'PLAN.toml', config, nodes, per_node)}",
@@ -309,6 +336,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.json:
         print_json(summary)
         return 0
+    if "recovery" in summary:
+        from fivefold.elastic.report import render_report
+
+        for line in render_report(summary["recovery"]):
+            print(line)
     saves = ""
     if args.checkpoint_dir:
         blocked = summary["checkpoint_seconds"]["blocked"]  # per save: how long training waited for it
@@ -482,7 +514,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the newest complete checkpoint in --checkpoint-dir, under any plan")
     p.add_argument("--init-from-hf", default=None,
                    help="initial weights from a local Hugging Face Llama folder (its config.json sets the model)")
-    p.add_argument("--max-restarts", type=int, default=0, help="restarts after a worker dies (default: 0)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restarts after a worker dies; each resumes from the newest complete checkpoint (default: 0)")
+    p.add_argument("--max-loss-spike", type=float, default=3.0, help="skip the update when the loss exceeds "
+                   "FACTOR x the running median of recent losses; 0 disables (default: 3.0)")
+    p.add_argument("--max-bad-steps", type=int, default=3, help="after K bad steps in a row (NaN/Inf or spike), "
+                   "roll back to the newest checkpoint and skip those batches; 0 = never (default: 3)")
+    p.add_argument("--straggler-factor", type=float, default=1.5, help="report a rank whose compute is this "
+                   "much slower than the median rank's; 0 disables (default: 1.5)")
+    p.add_argument("--straggler-patience", type=int, default=3,
+                   help="... for this many steps in a row (default: 3)")
+    p.add_argument("--collective-timeout", type=float, default=600.0, help="seconds a collective waits for a "
+                   "peer before the step fails with an error (default: 600)")
     p.add_argument("--trace", action="store_true", help="record a per-rank timeline for `fivefold report`")
     add_json_flag(p)
 

@@ -8,7 +8,7 @@ ZeRO levels, torch.distributed.pipelining schedules, activation checkpointing, a
     train.py        the training loop of one worker (RunConfig -> summary)
     checkpointing.py  async save, exact resume, resharding to another plan, initial weights from HF
     metrics.py      metrics file, progress bar, MFU, peak memory
-    launch.py       pre-launch checks, local worker processes, the torchrun command line
+    launch.py       pre-launch checks, local worker processes (restarts: fivefold.elastic), the torchrun line
     worker.py       `python -m fivefold.runtime.worker` for torchrun on several machines
 """
 

@@ -5,6 +5,7 @@ starts. For several machines, `torchrun_command` prints the equivalent torchrun 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shlex
@@ -12,6 +13,9 @@ import socket
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
+from fivefold.elastic.agent import AgentWatch
+from fivefold.elastic.events import LAUNCHER, EventLog
+from fivefold.elastic.report import build_report, write_report
 from fivefold.errors import SpecError, require
 from fivefold.spec import Plan
 
@@ -102,6 +106,10 @@ class WorkerFailed(Exception):
     """A worker process raised or died; the message is its first error line."""
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than --collective-timeout for a peer."""
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("localhost", 0))
@@ -118,6 +126,18 @@ def worker_entry(configs: list) -> list[dict]:
 
     try:
         return [train(config) for config in configs]
+    except BaseException as exc:  # noqa: BLE001 - recorded for the recovery report, then re-raised
+        from fivefold.elastic.events import EventLog, global_rank
+        from fivefold.elastic.hang import is_collective_timeout, timeout_message
+
+        rank = global_rank()
+        timed_out = is_collective_timeout(exc)
+        message = timeout_message(configs[0].collective_timeout, rank) if timed_out else f"{type(exc).__name__}: {exc}"
+        EventLog(configs[0].run_dir).write("error", rank=rank, error="timeout" if timed_out else "error",
+                                           message=message.strip().splitlines()[0] if message.strip() else "")
+        if timed_out:
+            raise CollectiveTimeout(message) from None
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -141,8 +161,14 @@ def launch(configs: list, nproc: int, max_restarts: int = 0) -> list[dict]:
     # Workers inherit this process's environment: share the cores out unless the user chose.
     user_threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = user_threads or str(max(1, (os.cpu_count() or 1) // nproc))
+    run_dir, metrics_file = configs[0].run_dir, configs[0].metrics_file
+    events = EventLog(run_dir, restart=LAUNCHER)
+    events.write("launch", nproc=nproc, max_restarts=max_restarts)
+    outcome = "failed"
     try:
-        results = elastic_launch(launch_config, worker_entry)(list(configs))
+        with AgentWatch(run_dir) if run_dir else contextlib.nullcontext():
+            results = elastic_launch(launch_config, worker_entry)(list(configs))
+        outcome = "finished"
     except ChildFailedError as exc:
         # A crash on one rank makes its peers fail with connection errors; report the cause.
         def secondary(item) -> bool:
@@ -158,7 +184,13 @@ def launch(configs: list, nproc: int, max_restarts: int = 0) -> list[dict]:
     finally:
         if user_threads is None:
             del os.environ["OMP_NUM_THREADS"]
-    return results[0]
+        events.write("end", outcome=outcome)
+        if run_dir:
+            write_report(run_dir, metrics_file)
+    summaries = results[0]
+    if run_dir and summaries:
+        summaries[-1]["recovery"] = build_report(run_dir, metrics_file)
+    return summaries
 
 
 def torchrun_command(plan_file: str, config, nnodes: int, nproc_per_node: int) -> str:

@@ -12,11 +12,14 @@ gradients: every plan computes the same training run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import socket
 import sys
 import time
 import tomllib
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,6 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.cost.flops import model_flops_per_step
+from fivefold.elastic.events import EventLog, restart_count, write_pid
+from fivefold.elastic.guard import LossGuard, Verdict, injected_loss_factors
+from fivefold.elastic.hang import init_distributed_with_timeout, step_started
+from fivefold.elastic.restart import newest_complete, resume_point
+from fivefold.elastic.stragglers import ForwardClock, StragglerWatch, describe_straggler
 from fivefold.models import init_weights
 from fivefold.runtime.checkpointing import Checkpointer, log_to
 from fivefold.runtime.mesh import Mesh, build_mesh, init_distributed, pick_device
@@ -61,6 +69,12 @@ class RunConfig:
     checkpoint_async: bool = True  # write in the background; False = training waits for the write
     resume_from: str | None = None  # a checkpoint folder to continue from (the CLI picks the newest)
     init_from_hf: str | None = None  # a Hugging Face Llama folder giving the initial weights
+    run_dir: str | None = None  # RUN/events.jsonl and RUN/pids/ (elastic/events.py); None = not recorded
+    max_loss_spike: float = 3.0  # skip the update when the loss exceeds this x the running median; 0 = off
+    max_bad_steps: int = 3  # bad steps in a row before rolling back to the newest checkpoint; 0 = never
+    straggler_factor: float = 1.5  # report a rank computing this much slower than the median; 0 = off
+    straggler_patience: int = 3  # ... for this many steps in a row
+    collective_timeout: float = 600.0  # seconds a collective may wait for a peer before the step fails
 
     @property
     def plan(self) -> Plan:
@@ -72,9 +86,12 @@ class TokenCrossEntropy:
 
     def __init__(self, global_tokens: int) -> None:
         self.global_tokens = global_tokens
+        self.injected: float | None = None  # test-only fault injection (elastic/guard.py) for this batch
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        if self.injected is not None:
+            loss = loss * self.injected
         return loss / self.global_tokens
 
 
@@ -128,13 +145,39 @@ def reduce_loss(local_loss: torch.Tensor, plan: Plan, mesh: Mesh) -> float:
     return local_loss.item()
 
 
+def agree_bad(verdict: Verdict, device: torch.device) -> Verdict:
+    """A step is bad when any rank judged it bad: one tiny all-reduce keeps every rank in lockstep."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return verdict
+    flag = torch.tensor([float(verdict.bad)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return verdict if verdict.bad or not flag.item() else Verdict(True, "another rank judged the step bad")
+
+
+def skip_bad_batches(loader, bad_positions: set[int]) -> int:
+    """Draw past the batches the loss guard marked bad; the position (samples_seen) of the next batch."""
+    while loader.samples_seen in bad_positions:
+        loader.next_batch()
+    return loader.samples_seen
+
+
+def hostnames() -> list[str]:
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, socket.gethostname())
+    return names
+
+
 def train(config: RunConfig) -> dict:
     """Run `config.steps` steps of the plan on this process's rank; rank 0 returns the summary."""
+    started = time.time()
+    restart = restart_count()  # > 0: the elastic agent restarted us after a failure; continue from the newest checkpoint
+    config = dataclasses.replace(config, resume_from=resume_point(config.checkpoint_dir, config.resume_from, restart))
     plan = config.plan
     # nn.Linear on [batch, seq, hidden] returns a reshaped view, which FSDP2 flags in case someone
     # modifies it in place; the logits are only read by the loss.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     device = pick_device(config.device)
+    init_distributed_with_timeout(device, config.collective_timeout)
     init_distributed(device)
     mesh = build_mesh(plan, device)
     is_rank0 = mesh.rank == 0
@@ -142,7 +185,13 @@ def train(config: RunConfig) -> dict:
     autocast = (torch.autocast(device.type, dtype=param_dtype) if param_dtype is not None and plan.dp == 1
                 else contextlib.nullcontext())
 
+    write_pid(config.run_dir, mesh.rank)
+    events = EventLog(config.run_dir if is_rank0 else None, restart)
+    events.write("start", started=started, resume_from=config.resume_from, world_size=plan.world_size)
     parts = build_model_parts(plan, mesh, config.seed, param_dtype)
+    forward_clock = ForwardClock(device)
+    for part in parts.values():
+        forward_clock.attach(part)
     params = [p for part in parts.values() for p in part.parameters()]
     optimizer = build_optimizer(params, config.lr)
     loss_fn = TokenCrossEntropy(plan.train.global_batch * plan.train.seq_len)
@@ -162,18 +211,28 @@ def train(config: RunConfig) -> dict:
     metrics = MetricsFile(config.metrics_file if is_rank0 else None)
     stream = sys.stderr if config.progress_to_stderr else sys.stdout
     checkpointer = Checkpointer(config, plan, mesh, parts, optimizer, loader)
-    first_step = checkpointer.start(log_to(stream) if is_rank0 else None)  # > 0 when resuming
+    log = log_to(stream) if is_rank0 else None
+    first_step = checkpointer.start(log)  # > 0 when resuming
+    events.write("resumed" if config.resume_from else "ready", step=first_step, path=config.resume_from)
+    guard = LossGuard(config.max_loss_spike, config.max_bad_steps)
+    injected = injected_loss_factors()
+    stragglers = StragglerWatch(config.straggler_factor, config.straggler_patience,
+                                hosts=hostnames() if config.straggler_factor > 0 and plan.world_size > 1 else [])
     progress = Progress(config.steps, f"training {plan.model.name}: {plan.describe()} on {plan.world_size} "
                         f"{device.type} process(es)", stream) if is_rank0 and config.show_progress else None
     history: list[dict] = []
     tokens = first_step * plan.train.tokens_per_step
-    for step in range(first_step, config.steps):
+    step = first_step
+    while step < config.steps:
         start = time.perf_counter()
+        step_started(step + 1, mesh.rank, restart)  # notes the step for a timeout's error line; the hang knob
         tracer.begin_step(step + 1)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         lr = lr_at(step, config.lr, config.warmup_steps, config.steps)
         set_lr(optimizer, lr)
+        position = skip_bad_batches(loader, guard.bad_positions)
+        loss_fn.injected = injected.get(position // plan.train.global_batch + 1)
         batch = loader.next_batch()[rows].to(device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]
 
@@ -194,12 +253,15 @@ def train(config: RunConfig) -> dict:
                     local_loss += loss.detach()
 
         grad_norm = clip_grad_norm_(params, config.grad_clip, plan)
+        loss_value = reduce_loss(local_loss, plan, mesh)
+        verdict = agree_bad(guard.judge(loss_value, grad_norm), device)
         with tracer.span(OPTIMIZER):
-            optimizer.step()
+            if not verdict.bad:  # the loss guard: a bad step leaves weights and optimizer state untouched
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         own_step_time = seconds_since(start, device)  # this rank's step, before the gathers below
-        loss_value = reduce_loss(local_loss, plan, mesh)
-        memory_per_rank, time_per_rank = zip(*gather_from_ranks([peak_memory_gib(device), own_step_time], device))
+        memory_per_rank, time_per_rank, forward_per_rank = zip(*gather_from_ranks(
+            [peak_memory_gib(device), own_step_time, forward_clock.take()], device))
         memory = max(memory_per_rank)  # the busiest rank's memory is the one that must fit
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -211,13 +273,26 @@ def train(config: RunConfig) -> dict:
                   "step_time_s": step_time, "tokens_per_s": plan.train.tokens_per_step / step_time,
                   "mfu": flops_per_step / (step_time * total_peak_flops), "peak_memory_gib": memory,
                   "peak_memory_gib_per_rank": list(memory_per_rank), "step_time_s_per_rank": list(time_per_rank),
-                  "first_step": first_step + 1}
+                  "first_step": first_step + 1, "forward_time_s_per_rank": list(forward_per_rank),
+                  "skipped": verdict.bad, "wall_time": time.time()}
         history.append(record)
+        guard.record(verdict, loss_value, position)
         if is_rank0:
             metrics.write(record)
             if progress is not None:
                 progress.update(record)
+            if verdict.bad:
+                log(f"loss guard: step {step + 1} (batch at sample {position}): {verdict.reason}; update skipped "
+                    f"({guard.bad_in_a_row} bad in a row, rollback at {config.max_bad_steps or 'never'})")
+                events.write("bad_step", step=step + 1, position=position, reason=verdict.reason)
+            for found in stragglers.observe(step + 1, list(forward_per_rank)):
+                log(describe_straggler(found))
+                events.write("straggler", step=step + 1, **found)
         checkpointer.step_done(step + 1)
+        step += 1
+        if guard.should_roll_back:
+            step = roll_back(checkpointer, guard, step, events, log)
+            history = [r for r in history if r["step"] <= step]
     checkpointer.close()
     if progress is not None:
         progress.close()
@@ -226,6 +301,31 @@ def train(config: RunConfig) -> dict:
     if not is_rank0:
         return {}
     return {**summarize(plan, device, history, config), "checkpoint_seconds": checkpointer.seconds}
+
+
+def roll_back(checkpointer: Checkpointer, guard: LossGuard, step: int, events: EventLog, log) -> int:
+    """After too many bad steps in a row: reload the newest checkpoint (every rank the one rank 0 found,
+    once the save in flight is committed); the step to continue from. The bad batches stay skipped."""
+    checkpointer.wait()
+    found = [newest_complete(checkpointer.config.checkpoint_dir) if checkpointer.rank == 0 else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(found, src=0)
+    positions = sorted(guard.pending)
+    guard.rolled_back()
+    if found[0] is None:
+        if log:
+            log(f"loss guard: {len(positions)} bad steps in a row up to step {step}, but no checkpoint to roll back "
+                "to (give --checkpoint-dir and --checkpoint-every); the bad batches stay skipped")
+        events.write("rollback", step=step, to_step=None, positions=positions, reload_s=0.0)
+        return step
+    started = time.perf_counter()
+    to_step = checkpointer.load(Path(found[0]))
+    reload_s = time.perf_counter() - started
+    if log:
+        log(f"loss guard: {len(positions)} bad steps in a row up to step {step}: rolled back to step {to_step} "
+            f"({found[0]}, {reload_s:.2f} s); batches at samples {positions} will be skipped")
+    events.write("rollback", step=step, to_step=to_step, positions=positions, reload_s=reload_s, path=found[0])
+    return to_step
 
 
 def summarize(plan: Plan, device: torch.device, history: list[dict], config: RunConfig) -> dict:
