@@ -102,9 +102,9 @@ def test_printed_torchrun_command_runs(tmp_path):
     plan_file = tmp_path / "plan.toml"
     Plan(model=PRESETS["tiny"], cluster=parse_cluster("1x1xcpu"), train=TrainSpec(seq_len=32, dtype="fp32")
          ).save(plan_file)
-    from fivefold.runtime import RunConfig, torchrun_command
+    from fivefold.runtime import torchrun_command
 
-    command = torchrun_command(str(plan_file), RunConfig(plan_toml="", steps=2, device="cpu"), 1, 1)
+    command = torchrun_command(str(plan_file), ["--steps", "2", "--device", "cpu"], 1, 1)
     command = command.replace("HOST:29500", f"localhost:{free_port()}").replace("torchrun ", "", 1)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", *command.split(), "--json"],

@@ -224,10 +224,14 @@ def test_check_runnable_cuda_needs_gpus():
     check_runnable(make_plan(2, dp=2), 2, device="cuda", gpus=1, local_nproc=1)  # one per node on 2 nodes
 
 
-def test_torchrun_command():
-    config = RunConfig(plan_toml="", steps=100, seed=3, lr=1e-3, metrics_file="runs/a/metrics.jsonl", device="cuda")
-    assert torchrun_command("runs/a/plan.toml", config, nnodes=2, nproc_per_node=8) == (
+def test_torchrun_command_repeats_the_run_flags_not_the_layout():
+    from fivefold.cli import build_parser, worker_flags
+
+    args = build_parser().parse_args(["train", "--cluster", "2x8xH100", "--tp", "8", "--steps", "100", "--seed", "3",
+                                      "--lr", "1e-3", "--metrics-file", "runs/a/metrics.jsonl", "--resume",
+                                      "--checkpoint-dir", "ck", "--nproc", "16", "--max-restarts", "2"])
+    assert torchrun_command("runs/a/plan.toml", worker_flags(args), nnodes=2, nproc_per_node=8) == (
         "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 "
-        "-m fivefold.runtime.worker --plan runs/a/plan.toml --steps 100 --seed 3 --lr 0.001 --warmup-steps 2 "
-        "--grad-clip 1.0 --device cuda --metrics-file runs/a/metrics.jsonl")
+        "-m fivefold train --torchrun-worker --plan runs/a/plan.toml --steps 100 --seed 3 --lr 0.001 "
+        "--metrics-file runs/a/metrics.jsonl --checkpoint-dir ck --resume")
     assert math.isclose(lr_at(99, 1e-3, 2, 100), 1e-4)

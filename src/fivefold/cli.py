@@ -262,6 +262,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+# Flags of `train` that describe the launch on this machine, not the run: a torchrun worker does not take them.
+LAUNCH_ONLY_FLAGS = {"nproc", "max_restarts", "json", "plan", "handler", "verb", "torchrun_worker", "help"}
+
+
+def worker_flags(args: argparse.Namespace) -> list[str]:
+    """The run's non-default `train` flags, for the torchrun line (the plan file carries the layout)."""
+    layout_parser = argparse.ArgumentParser(add_help=False)
+    add_spec_flags(layout_parser)
+    add_layout_flags(layout_parser)
+    skip = LAUNCH_ONLY_FLAGS | {action.dest for action in layout_parser._actions}
+    train_parser = build_parser()._subparsers._group_actions[0].choices["train"]
+    flags: list[str] = []
+    for action in train_parser._actions:
+        value = getattr(args, action.dest, None)
+        if action.dest in skip or not action.option_strings or value is None or value == action.default:
+            continue
+        option = max(action.option_strings, key=len)
+        flags += [option] if value is True else [option, str(value)]
+    return flags
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -271,7 +292,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.trace and not args.metrics_file:
         raise SpecError("--trace", True, "needs --metrics-file RUN/metrics.jsonl: the trace is written next to it")
     from fivefold.runtime import RunConfig, check_runnable, launch, torchrun_command
-    from fivefold.runtime.launch import WorkerFailed, check_data, nodes_of, resolve_device
+    from fivefold.runtime.launch import (WorkerFailed, check_data, nodes_of, resolve_device, run_torchrun_worker,
+                                         torchrun_world)
 
     # Everything that can be wrong with the plan, the flags or the data fails here, before any process starts.
     plan = plan_from_args(args)
@@ -279,7 +301,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.init_from_hf:  # the folder's config.json decides the model
         plan = plan_for_hf(plan, args.init_from_hf, bool(args.plan), bool(args.layers_per_stage))
     device, gpus = resolve_device(args.device)
-    nproc = args.nproc if args.nproc is not None else plan.world_size
+    # Under torchrun (several machines) this process is one worker: torchrun started the world.
+    worker_world = torchrun_world() if args.torchrun_worker else None
+    local_nproc = worker_world[1] if worker_world else None
+    is_rank0 = worker_world is None or worker_world[2] == 0
+    nproc = worker_world[0] if worker_world else args.nproc if args.nproc is not None else plan.world_size
     check_guard_flags(args.max_loss_spike, args.max_bad_steps)
     if not args.collective_timeout > 0:
         raise SpecError("--collective-timeout", args.collective_timeout, "must be a positive number of seconds")
@@ -296,9 +322,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         fixed = Choices() if args.plan else Choices(
             dp=args.dp, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch, schedule=args.schedule,
             virtual_stages=args.virtual_stages, recompute=args.recompute, zero=args.zero)
-        plan, line = replan_for_world(plan, nproc, fixed, lambda p: check_runnable(p, nproc, device, gpus))
-        print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
-    check_runnable(plan, nproc, device, gpus)
+        plan, line = replan_for_world(plan, nproc, fixed, lambda p: check_runnable(p, nproc, device, gpus, local_nproc))
+        if is_rank0:
+            print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
+    check_runnable(plan, nproc, device, gpus, local_nproc)
     if args.steps < 1:
         raise SpecError("--steps", args.steps, "must be at least 1")
     check_data(plan, args.data, args.tokenizer)
@@ -308,12 +335,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = None  # events.jsonl, pids/ and recovery.json (fivefold.elastic)
     if args.metrics_file:  # the run folder keeps its plan, for `fivefold report`
         run_dir = Path(args.metrics_file).parent
-        run_dir.mkdir(parents=True, exist_ok=True)
-        plan.save(run_dir / "plan.toml")
+        if is_rank0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            plan.save(run_dir / "plan.toml")
         plan_file = plan_file or str(run_dir / "plan.toml")
     elif args.checkpoint_dir:
         run_dir = Path(args.checkpoint_dir)
-    if run_dir is not None:
+    if run_dir is not None and is_rank0:
         (run_dir / "events.jsonl").unlink(missing_ok=True)  # this launch's events only
     config = RunConfig(plan_toml=plan.to_toml(), steps=args.steps, seed=args.seed, lr=args.lr,
                        warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, data=args.data,
@@ -324,10 +352,15 @@ def cmd_train(args: argparse.Namespace) -> int:
                        run_dir=str(run_dir) if run_dir else None, max_loss_spike=args.max_loss_spike,
                        max_bad_steps=args.max_bad_steps, straggler_factor=args.straggler_factor,
                        straggler_patience=args.straggler_patience, collective_timeout=args.collective_timeout)
+    if worker_world:
+        summary = run_torchrun_worker(config)
+        if summary and args.json:
+            print_json(summary)
+        return 0
     info = sys.stderr if args.json else sys.stdout
     nodes, per_node = nodes_of(plan)
-    print(f"on several machines, run on each: {torchrun_command(plan_file or 'PLAN.toml', config, nodes, per_node)}",
-          file=info, flush=True)
+    command = torchrun_command(plan_file or "PLAN.toml", worker_flags(args), nodes, per_node)
+    print(f"on several machines, run on each: {command}", file=info, flush=True)
     try:
         summary = launch([config], nproc, max_restarts=args.max_restarts)[0]
     except WorkerFailed as exc:
@@ -492,6 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_json_flag(p)
 
     p = verb("train", "run a plan with torch.distributed (gloo on CPU, NCCL on GPU)", cmd_train)
+    p.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)  # set by the torchrun line
     add_spec_flags(p)
     add_layout_flags(p)
     p.add_argument("--steps", type=int, default=10, help="optimizer steps (default: 10)")

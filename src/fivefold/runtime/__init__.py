@@ -9,7 +9,6 @@ ZeRO levels, torch.distributed.pipelining schedules, activation checkpointing, a
     checkpointing.py  async save, exact resume, resharding to another plan, initial weights from HF
     metrics.py      metrics file, progress bar, MFU, peak memory
     launch.py       pre-launch checks, local worker processes (restarts: fivefold.elastic), the torchrun line
-    worker.py       `python -m fivefold.runtime.worker` for torchrun on several machines
 """
 
 from fivefold.runtime.launch import check_runnable, launch, torchrun_command

@@ -193,17 +193,35 @@ def launch(configs: list, nproc: int, max_restarts: int = 0) -> list[dict]:
     return summaries
 
 
-def torchrun_command(plan_file: str, config, nnodes: int, nproc_per_node: int) -> str:
-    """The multi-node equivalent: run this on every node (HOST = the first node's address)."""
+def torchrun_command(plan_file: str, run_flags: list[str], nnodes: int, nproc_per_node: int) -> str:
+    """The multi-node equivalent: run this on every node (HOST = the first node's address). Each process
+    torchrun starts runs `fivefold train` itself as one worker, so it parses and checks the same flags."""
     args = ["torchrun", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:29500", "-m", "fivefold.runtime.worker",
-            "--plan", plan_file, "--steps", str(config.steps), "--seed", str(config.seed), "--lr", str(config.lr),
-            "--warmup-steps", str(config.warmup_steps), "--grad-clip", str(config.grad_clip), "--device", config.device]
-    for flag, value in (("--data", config.data), ("--tokenizer", config.tokenizer),
-                        ("--metrics-file", config.metrics_file)):
-        if value:
-            args += [flag, value]
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:29500", "-m", "fivefold", "train",
+            "--torchrun-worker", "--plan", plan_file, *run_flags]
     return " ".join(shlex.quote(a) if a != "HOST:29500" else a for a in args)
+
+
+def torchrun_world() -> tuple[int, int, int]:
+    """(world size, processes on this node, global rank) as torchrun sets them for a worker."""
+    try:
+        return (int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
+                int(os.environ["RANK"]))
+    except KeyError:
+        raise SpecError("--torchrun-worker", True, "is set by the printed torchrun line; run `fivefold train` "
+                        "without it on one machine") from None
+
+
+def run_torchrun_worker(config) -> dict | None:
+    """Train this rank inside a world torchrun started; rank 0 returns the summary."""
+    import torch.distributed as dist
+
+    from fivefold.runtime.train import train
+
+    summary = train(config)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return summary
 
 
 def nodes_of(plan: Plan) -> tuple[int, int]:
