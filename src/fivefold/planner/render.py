@@ -75,16 +75,32 @@ def estimate_renderables(estimate: Estimate, title: str) -> list:
     return out
 
 
+def _work_split(plan) -> str:
+    """Layers per stage and micro-batches per replica when uneven, e.g. "layers 11/11/30/28"."""
+    parts = []
+    if len(set(plan.layers_per_stage)) > 1:
+        layers = plan.layers_per_stage
+        parts.append("layers " + "/".join(map(str, layers if len(layers) <= 8 else layers[:4] + ("..",) + layers[-3:])))
+    if len(set(plan.replica_micro_batches)) > 1:
+        parts.append("micro-batches " + "/".join(map(str, plan.replica_micro_batches)))
+    return ", ".join(parts) or "even"
+
+
 def plan_renderables(result: SearchResult, title: str) -> list:
-    """The ranked table of a search."""
+    """The ranked table of a search; on a mixed cluster with each plan's split of the work."""
     from rich.table import Table
 
+    mixed = bool(result.placement)
     table = Table(title=title, title_justify="left")
-    for column, justify in (("#", "right"), ("plan", "left"), ("tokens/s", "right"), ("per GPU", "right"),
-                            ("MFU", "right"), ("GiB/GPU", "right"), ("bubble", "right"), ("step", "right")):
+    columns = [("#", "right"), ("plan", "left")] + ([("work split", "left")] if mixed else []) + [
+        ("tokens/s", "right"), ("per GPU", "right"), ("MFU", "right"), ("GiB/GPU", "right"), ("bubble", "right"),
+        ("step", "right")]
+    for column, justify in columns:
         table.add_column(column, justify=justify)
     for rank, candidate in enumerate(result.candidates, 1):
         e = candidate.estimate
-        table.add_row(str(rank), candidate.plan.describe(), _rate(e.tokens_per_s), _rate(e.tokens_per_s / e.world_size),
-                      f"{e.mfu:.1%}", f"{e.memory.total / GIB:.1f}", f"{e.bubble_fraction:.1%}", _time(e.step_time_s))
+        split = [_work_split(candidate.plan)] if mixed else []
+        table.add_row(str(rank), candidate.plan.describe(), *split, _rate(e.tokens_per_s),
+                      _rate(e.tokens_per_s / e.world_size), f"{e.mfu:.1%}", f"{e.memory.total / GIB:.1f}",
+                      f"{e.bubble_fraction:.1%}", _time(e.step_time_s))
     return [table]

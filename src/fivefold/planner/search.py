@@ -11,7 +11,10 @@ Order of work, cheapest decisions first:
    fits it is the best of them, else the most memory-saving variant decides whether any can fit, and
    only then are the ones in between costed.
 Layers are split over stages to balance stage time (the embedding and LM head count as extra layers).
-Every costed candidate uses cost.estimate_layout, the same code as `fivefold estimate`.
+On a mixed cluster (planner/mixed.py) every schedule is also tried in each placement: whole stages per
+group (layers in proportion to each stage's speed, capped by its memory) or whole replicas per group
+(micro-batches in proportion to speed); the bound of step 2 then shares the work over every group's
+speed. Every costed candidate uses cost.estimate_layout, the same code as `fivefold estimate`.
 """
 
 from __future__ import annotations
@@ -21,16 +24,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from fivefold.cost.layout import Layout, layer_work, pacing_replica
 from fivefold.cost.pipeline import bubble_ratio
 from fivefold.cost.stack import STACKS, SoftwareStack
-from fivefold.cost.layout import Layout, layer_work
 from fivefold.cost.step import Estimate, Score, estimate, estimate_layout
 from fivefold.errors import FivefoldError, SpecError
+from fivefold.planner.explain import infeasible_message
+from fivefold.planner.mixed import (REPLICAS, STAGES, PlacementOption, fit_memory, is_mixed, placement_options,
+                                    replica_shares, roomier, speed_balanced_layers, work_bound)
 from fivefold.planner.space import (Choices, balanced_layers, degree_options, micro_batch_options,
                                     recompute_options, schedule_options, sequence_parallel_option, zero_options)
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import Plan
+from fivefold.spec.plan import Plan, default_layers_per_stage
 from fivefold.spec.train import TrainSpec
 
 GIB = 2**30
@@ -56,6 +62,7 @@ class SearchResult:
     seconds: float  # wall time of the search
     explanation: str = ""  # why the best beats the runner-up
     notes: list[str] = field(default_factory=list)
+    placement: list[str] = field(default_factory=list)  # mixed clusters: which group holds what, and why
 
     @property
     def candidates_per_s(self) -> float:
@@ -76,6 +83,19 @@ class _Found:
     zero: int = field(compare=False)
     sequence_parallel: bool = field(compare=False)
     layers_per_stage: tuple[int, ...] = field(compare=False)
+    option: PlacementOption | None = field(compare=False, default=None)  # None: identity, one device type
+    replica_micro_batches: tuple[int, ...] = field(compare=False, default=())  # () = even
+
+
+class _Context:
+    """What every step of one search shares."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Choices,
+                 stack: SoftwareStack, headroom: float, cost: Callable[[Layout], Score],
+                 threshold: Callable[[], float]) -> None:
+        self.model, self.cluster, self.train, self.choices = model, cluster, train, choices
+        self.stack, self.headroom, self.cost, self.threshold = stack, headroom, cost, threshold
+        self.mixed = is_mixed(cluster)
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Choices | None = None,
@@ -112,7 +132,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
             smallest = (score.peak_ratio, score, layout)
         return score
 
-    ordered = _order_by_bound(model, cluster, train, degrees, choices, stack)
+    ctx = _Context(model, cluster, train, choices, stack, headroom, cost, threshold)
+    ordered = _order_by_bound(ctx, degrees)
     for done, (dp, tp, pp, cp, ep) in enumerate(ordered):
         if progress is not None and time.perf_counter() - last_report > 0.25:
             last_report = time.perf_counter()
@@ -120,28 +141,24 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
         sequence_parallel = sequence_parallel_option(tp, choices)
         recomputes = recompute_options(stack, choices)
         zeros = zero_options(dp, cp, choices)
+        options: list[PlacementOption | None] = placement_options(cluster, dp, tp, pp, cp) if ctx.mixed else [None]
         for micro_batch in micro_batch_options(train, dp, choices):
             micro_batches = train.global_batch // (dp * micro_batch)
             schedules = schedule_options(model, pp, micro_batches, choices)
-            family = len(schedules) * len(recomputes) * len(zeros)
+            family = len(schedules) * len(recomputes) * len(zeros) * len(options)
             examined += family
-            base = _layout(model, cluster, train, dp, tp, pp, cp, ep, micro_batch, "1f1b", 1, (1,) * pp,
-                           "none", sequence_parallel, zeros[0])
-            layer, embedding, head = layer_work(base, stack)
-            per_layer = layer.forward + layer.backward_input + layer.backward_weight
-            if micro_batches * model.layers / pp * per_layer >= threshold():
+            base = _layout(ctx, (dp, tp, pp, cp, ep, micro_batch, "1f1b", 1), (1,) * pp, "none",
+                           sequence_parallel, zeros[0])
+            bound, sums = _family_bound(ctx, base, micro_batches)
+            if bound >= threshold():
                 continue
-            # All ranks together do F, B, W whatever the split; the slowest does at least 1/p of it.
-            sums = [model.layers * getattr(layer, part) + getattr(embedding, part) + getattr(head, part)
-                    for part in ("forward", "backward_input", "backward_weight")]
             none_can_fit = True
             for schedule, virtual in schedules:
                 if _schedule_bound(schedule, pp, virtual, micro_batches, sums) >= threshold():
                     none_can_fit = False  # not known; a bound is no reason to stop growing the micro-batch
                     continue
-                found, can_fit = _best_variant(model, cluster, train, choices, stack, cost, threshold,
-                                               (dp, tp, pp, cp, ep, micro_batch, schedule, virtual),
-                                               sequence_parallel, recomputes, zeros)
+                signature = (dp, tp, pp, cp, ep, micro_batch, schedule, virtual)
+                found, can_fit = _best_placement(ctx, signature, sequence_parallel, recomputes, zeros, options)
                 none_can_fit = none_can_fit and not can_fit
                 if found is not None:
                     heapq.heappush(best, (-found.key, id(found), found))
@@ -149,17 +166,32 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
                         heapq.heappop(best)
             if none_can_fit:
                 break  # even the leanest variants do not fit; larger micro-batches need more memory
-    seconds = time.perf_counter() - started
     if not best:
-        raise NoFeasiblePlan(_infeasible_message(smallest, cluster, headroom, choices))
+        raise NoFeasiblePlan(infeasible_message(smallest, headroom, choices))
     ranked = sorted((entry[2] for entry in best), key=lambda f: f.key)
     candidates = [Candidate(plan, estimate(plan, stack, headroom)) for plan in
-                  (_plan(model, cluster, train, found) for found in ranked)]
-    from fivefold.planner.explain import explain_difference
+                  (_plan(ctx, found) for found in ranked)]
+    from fivefold.planner.explain import explain_difference, explain_placement
 
     explanation = explain_difference(candidates[0], candidates[1]) if len(candidates) > 1 else \
         "only one plan fits"
-    return SearchResult(candidates[:top], examined, costed, seconds, explanation)
+    placement = explain_placement(candidates[0], *_alternatives(ctx, ranked[0])) if ctx.mixed else []
+    return SearchResult(candidates[:top], examined, costed, time.perf_counter() - started, explanation,
+                        placement=placement)
+
+
+def _family_bound(ctx: _Context, base: Layout, micro_batches: int) -> tuple[float, list[float]]:
+    """A lower bound on every plan of one (degrees, micro-batch), and the whole model's (F, B, W) of one
+    micro-batch for the schedule bound: m micro-batches x (layers / pp) x one layer's forward + backward
+    on one device type; on a mixed cluster, the work shared over every group's speed (mixed.work_bound)."""
+    if ctx.mixed:
+        return work_bound(base, ctx.stack, micro_batches)
+    layer, embedding, head = layer_work(base, ctx.stack)
+    per_layer = layer.forward + layer.backward_input + layer.backward_weight
+    # All ranks together do F, B, W whatever the split; the slowest does at least 1/p of it.
+    sums = [ctx.model.layers * getattr(layer, part) + getattr(embedding, part) + getattr(head, part)
+            for part in ("forward", "backward_input", "backward_weight")]
+    return micro_batches * ctx.model.layers / base.pp * per_layer, sums
 
 
 def _schedule_bound(schedule: str, pp: int, virtual: int, micro_batches: int, sums: list[float]) -> float:
@@ -173,70 +205,138 @@ def _schedule_bound(schedule: str, pp: int, virtual: int, micro_batches: int, su
     return total * ((micro_batches - factor) / pp + factor)
 
 
-def _best_variant(model, cluster, train, choices, stack, cost, threshold, signature, sequence_parallel,
-                  recomputes, zeros) -> tuple[_Found | None, bool]:
-    """The fastest fitting (recompute, zero) variant of one (degrees, micro-batch, schedule), if it can beat
-    the threshold, and whether any variant might fit (False only when the leanest one is known not to)."""
-    dp, tp, pp, cp, ep, micro_batch, schedule, virtual = signature
+def _best_placement(ctx: _Context, signature: tuple, sequence_parallel: bool, recomputes: list[str],
+                    zeros: list[int], options: list[PlacementOption | None]) -> tuple[_Found | None, bool]:
+    """The best placement's fastest fitting variant of one (degrees, micro-batch, schedule), and whether
+    any might fit; one device type has the one (identity) placement.
+
+    Group orders of stages on groups differ mostly in memory (the first stage holds the most micro-batches
+    in flight, the last the logits), so they are screened on the fastest variant and only the best goes
+    on: the fastest that fits, else the one with the most memory to spare."""
+    memo: dict[tuple, tuple[Score, Layout] | None] = {}
+    winner: _Found | None = None
+    any_can_fit = False
+
+    def limit() -> float:
+        return min(ctx.threshold(), winner.time if winner is not None else float("inf"))
+
+    orders = [o for o in options if o is not None and o.kind == STAGES]
+    if len(orders) > 1:
+        keep, kept = orders[0], _costed(ctx, memo, signature, sequence_parallel, recomputes[0], zeros[0], orders[0])
+        if kept is not None and kept[0].step_time_s >= limit():
+            keep = None  # the orders run the same compute: none can beat the limit
+        for option in orders[1:] if keep is not None else ():
+            result = _costed(ctx, memo, signature, sequence_parallel, recomputes[0], zeros[0], option)
+            if result is not None and (kept is None or roomier(result[0], kept[0])):
+                keep, kept = option, result
+        options = [o for o in options if o not in orders or o == keep]
+    for option in options:
+        uneven = option is not None and option.kind == REPLICAS
+        option_zeros = zero_options(signature[0], signature[3], ctx.choices, uneven_replicas=True) if uneven else zeros
+        found, can_fit = _best_variant(ctx, memo, signature, sequence_parallel, recomputes, option_zeros, option,
+                                       limit)
+        any_can_fit = any_can_fit or can_fit
+        if found is not None and (winner is None or found.key < winner.key):
+            winner = found
+    return winner, any_can_fit
+
+
+def _costed(ctx: _Context, memo: dict, signature: tuple, sequence_parallel: bool, rc: str, zero: int,
+            option: PlacementOption | None) -> tuple[Score, Layout] | None:
+    """Score and layout of one variant in one placement with the balanced split (None: no valid split)."""
+    key = (option, rc, zero)
+    if key not in memo:
+        split_key = (option, rc)
+        if split_key not in memo:
+            memo[split_key] = _split(ctx, signature, sequence_parallel, rc, option)
+        split = memo[split_key]
+        layout = None if split is None else _layout(ctx, signature, split[0], rc, sequence_parallel, zero, option,
+                                                    split[1])
+        memo[key] = None if layout is None else (ctx.cost(layout), layout)
+    return memo[key]
+
+
+def _best_variant(ctx: _Context, memo: dict, signature: tuple, sequence_parallel: bool, recomputes: list[str],
+                  zeros: list[int], option: PlacementOption | None,
+                  limit: Callable[[], float]) -> tuple[_Found | None, bool]:
+    """The fastest fitting (recompute, zero) variant of one (degrees, micro-batch, schedule, placement), if
+    it can beat the limit, and whether any variant might fit (False only when the leanest one is known
+    not to). On a mixed cluster a variant that overflows memory also tries a split that moves layers
+    off its fullest stages (_fit_memory) before the leaner variants are weighed against it."""
     variants = [(rc, zero) for rc in recomputes for zero in zeros]
-    layouts: dict[str, tuple[int, ...] | None] = {}
 
-    def layout_for(rc: str, zero: int) -> Layout | None:
-        if rc not in layouts:
-            layouts[rc] = _split(model, cluster, train, choices, stack, signature, sequence_parallel, rc)
-        split = layouts[rc]
-        if split is None:
-            return None
-        return _layout(model, cluster, train, dp, tp, pp, cp, ep, micro_batch, schedule, virtual, split, rc,
-                       sequence_parallel, zero)
+    def costed(variant: tuple[str, int]) -> tuple[Score, Layout] | None:
+        return _costed(ctx, memo, signature, sequence_parallel, *variant, option)
 
-    fastest = layout_for(*variants[0])
+    fastest = costed(variants[0])
     if fastest is None:
         return None, False
-    score = cost(fastest)
-    if score.step_time_s >= threshold():
+    if fastest[0].step_time_s >= limit():
         return None, True  # every variant is at least this slow; whether one fits does not matter
-    if score.fits:
-        return _found(score, signature, variants[0], sequence_parallel, fastest), True
-    if len(variants) == 1:
+    if fastest[0].fits:
+        return _found(fastest[0], signature, variants[0], sequence_parallel, fastest[1], option), True
+    fitting = []  # (score, variant, layout)
+    refit = _fit_memory(ctx, *fastest)
+    if refit[0].fits:
+        fitting.append((refit[0], variants[0], refit[1]))
+    if len(variants) > 1:
+        leanest = costed(variants[-1])
+        leanest = leanest and _fit_memory(ctx, *leanest)
+        if leanest is not None and leanest[0].fits:
+            fitting.append((leanest[0], variants[-1], leanest[1]))
+            for variant in variants[1:-1]:
+                result = costed(variant)
+                if result is not None and result[0].fits:
+                    fitting.append((result[0], variant, result[1]))
+    if not fitting:
         return None, False
-    leanest = layout_for(*variants[-1])
-    lean_score = cost(leanest)
-    if not lean_score.fits:
-        return None, False
-    winner = (lean_score, variants[-1], leanest)
-    for variant in variants[1:-1]:
-        layout = layout_for(*variant)
-        score = cost(layout)
-        if score.fits and score.step_time_s < winner[0].step_time_s:
-            winner = (score, variant, layout)
-    return _found(winner[0], signature, winner[1], sequence_parallel, winner[2]), True
+    score, variant, layout = min(fitting, key=lambda entry: entry[0].step_time_s)
+    return _found(score, signature, variant, sequence_parallel, layout, option), True
+
+
+def _fit_memory(ctx: _Context, score: Score, layout: Layout) -> tuple[Score, Layout]:
+    """mixed.fit_memory on a mixed cluster when the search picks the split (one device type: as is)."""
+    if not ctx.mixed or ctx.choices.layers_per_stage is not None:
+        return score, layout
+    return fit_memory(score, layout, ctx.stack, ctx.cost)
 
 
 def _found(score: Score, signature: tuple, variant: tuple[str, int], sequence_parallel: bool,
-           layout: Layout) -> _Found:
+           layout: Layout, option: PlacementOption | None) -> _Found:
     dp, tp, pp, cp, ep, micro_batch, schedule, virtual = signature
     parts = (cp > 1) + (ep > 1) + (pp > 1) + (virtual > 1) + variant[1] + (variant[0] == "full")
     return _Found(score.step_time_s * (1 + SIMPLICITY_MARGIN * parts), score.step_time_s, signature, variant[0],
-                  variant[1], sequence_parallel, layout.layers_per_stage)
+                  variant[1], sequence_parallel, layout.layers_per_stage, option, layout.replica_micro_batches)
 
 
-def _split(model, cluster, train, choices, stack, signature, sequence_parallel, rc) -> tuple[int, ...] | None:
-    """Layers per stage: the user's, or balanced by cost."""
+def _split(ctx: _Context, signature: tuple, sequence_parallel: bool, rc: str,
+           option: PlacementOption | None) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(layers per stage, micro-batches per replica): the user's layers, or balanced by cost; on a mixed
+    cluster layers follow each stage's speed, and replicas on groups get micro-batches by speed."""
     dp, tp, pp, cp, ep, micro_batch, schedule, virtual = signature
-    stages = pp * virtual
-    if choices.layers_per_stage is not None:
-        return choices.layers_per_stage if len(choices.layers_per_stage) == stages else None
+    model, stages = ctx.model, pp * virtual
+    replicas: tuple[int, ...] = ()
+    if option is not None and option.kind == REPLICAS:
+        probe = _layout(ctx, signature, (1,) * stages, rc, sequence_parallel, 0, option)
+        shares = replica_shares(probe, ctx.stack, ctx.train.global_batch // (dp * micro_batch))
+        if shares is None:
+            return None
+        replicas = shares
+    if ctx.choices.layers_per_stage is not None:
+        return (ctx.choices.layers_per_stage, replicas) if len(ctx.choices.layers_per_stage) == stages else None
     if stages == 1:
-        return (model.layers,)
-    probe = _layout(model, cluster, train, dp, tp, pp, cp, ep, micro_batch, "1f1b", 1, (1,) * pp, rc,
-                    sequence_parallel, 0)
-    layer, embedding, head = layer_work(probe, stack)
+        return (model.layers,), replicas
+    if option is not None:
+        probe = _layout(ctx, signature, (1,) * stages, rc, sequence_parallel, 0, option, replicas)
+        split = speed_balanced_layers(probe, ctx.stack)
+        return None if split is None else (split, replicas)
+    probe = _layout(ctx, (dp, tp, pp, cp, ep, micro_batch, "1f1b", 1), (1,) * pp, rc, sequence_parallel, 0)
+    layer, embedding, head = layer_work(probe, ctx.stack)
     per_layer = layer.forward + layer.backward_input + layer.backward_weight + layer.recompute
     first = (embedding.forward + embedding.backward_input + embedding.backward_weight) / per_layer
     last = (head.forward + head.backward_input + head.backward_weight) / per_layer
     owners = [probe_owner(schedule, pp, stage) for stage in range(stages)]
-    return balanced_layers(model.layers, stages, round(first, 2), round(last, 2), owners)
+    return balanced_layers(model.layers, stages, round(first, 2), round(last, 2), owners), replicas
 
 
 def probe_owner(schedule: str, pp: int, stage: int) -> int:
@@ -246,36 +346,78 @@ def probe_owner(schedule: str, pp: int, stage: int) -> int:
     return stage % pp
 
 
-def _layout(model, cluster, train, dp, tp, pp, cp, ep, micro_batch, schedule, virtual, layers_per_stage,
-            recompute, sequence_parallel, zero) -> Layout:
-    return Layout(model=model, cluster=cluster, train=train, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
-                  micro_batch=micro_batch, schedule=schedule, virtual_stages=virtual,
-                  layers_per_stage=tuple(layers_per_stage), recompute=recompute,
-                  sequence_parallel=sequence_parallel, placement=(),
-                  num_micro_batches=train.global_batch // (dp * micro_batch))
+def _layout(ctx: _Context, signature: tuple, layers_per_stage: tuple[int, ...], recompute: str,
+            sequence_parallel: bool, zero: int, option: PlacementOption | None = None,
+            replicas: tuple[int, ...] = ()) -> Layout:
+    dp, tp, pp, cp, ep, micro_batch, schedule, virtual = signature
+    layout = Layout(model=ctx.model, cluster=ctx.cluster, train=ctx.train, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep,
+                    zero=zero, micro_batch=micro_batch, schedule=schedule, virtual_stages=virtual,
+                    layers_per_stage=tuple(layers_per_stage), recompute=recompute,
+                    sequence_parallel=sequence_parallel, placement=option.devices if option is not None else (),
+                    num_micro_batches=ctx.train.global_batch // (dp * micro_batch), replica_micro_batches=replicas)
+    if replicas:
+        layout.num_micro_batches = replicas[pacing_replica(layout)]  # as Layout.of_plan does
+    return layout
 
 
-def _plan(model, cluster, train, found: _Found) -> Plan:
+def _plan(ctx: _Context, found: _Found, **changes: object) -> Plan:
     dp, tp, pp, cp, ep, micro_batch, schedule, virtual = found.signature
-    return Plan(model=model, cluster=cluster, train=train, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=found.zero,
-                micro_batch=micro_batch, schedule=schedule, virtual_stages=virtual,
-                layers_per_stage=found.layers_per_stage, recompute=found.recompute,
-                sequence_parallel=found.sequence_parallel)
+    fields = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=found.zero, micro_batch=micro_batch, schedule=schedule,
+                  virtual_stages=virtual, layers_per_stage=found.layers_per_stage, recompute=found.recompute,
+                  sequence_parallel=found.sequence_parallel,
+                  placement=found.option.devices if found.option is not None else (),
+                  replica_micro_batches=found.replica_micro_batches)
+    return Plan(model=ctx.model, cluster=ctx.cluster, train=ctx.train, **{**fields, **changes})
 
 
-def _order_by_bound(model, cluster, train, degrees, choices, stack) -> list[tuple[int, int, int, int, int]]:
+def _alternatives(ctx: _Context, found: _Found) -> tuple[list[tuple[PlacementOption, Candidate]], Candidate]:
+    """For the explanation of a mixed-cluster plan: the best plan of the same degrees in every other
+    placement, and of the other placement kind (stages or replicas on groups) with pipeline ranks traded
+    for replicas or back (same tp and cp, when the user fixed neither dp nor pp); and the chosen plan with
+    even layers and replicas."""
+    dp, tp, pp, cp, ep, micro_batch, schedule, virtual = found.signature
+    rivals = [found.signature]
+    if ctx.choices.dp is None and ctx.choices.pp is None:
+        for stages in (n for n in range(1, dp * pp + 1) if dp * pp % n == 0 and n != pp and n <= ctx.model.layers):
+            replicas = dp * pp // stages
+            sizes = [b for b in micro_batch_options(ctx.train, replicas, ctx.choices) if b <= micro_batch]
+            if not sizes:
+                continue
+            options = schedule_options(ctx.model, stages, ctx.train.global_batch // (replicas * sizes[-1]),
+                                       ctx.choices)
+            if options:
+                same = [o for o in options if o == (schedule, virtual)]
+                rivals.append((replicas, tp, stages, cp, ep, sizes[-1], *(same or options)[0]))
+    others = []
+    kind = found.option.kind if found.option is not None else STAGES
+    for signature in rivals:
+        recomputes = recompute_options(ctx.stack, ctx.choices)
+        for option in placement_options(ctx.cluster, *signature[:4]):
+            if option == found.option and signature == found.signature or (
+                    signature != found.signature and option.kind == kind):
+                continue
+            zeros = zero_options(signature[0], cp, ctx.choices, uneven_replicas=option.kind == REPLICAS)
+            rival, _ = _best_variant(ctx, {}, signature, found.sequence_parallel, recomputes, zeros, option,
+                                     lambda: float("inf"))
+            if rival is not None:
+                plan = _plan(ctx, rival)
+                others.append((option, Candidate(plan, estimate(plan, ctx.stack, ctx.headroom))))
+    layers = default_layers_per_stage(ctx.model.layers, pp * virtual)
+    even = _plan(ctx, found, layers_per_stage=layers, replica_micro_batches=())
+    return others, Candidate(even, estimate(even, ctx.stack, ctx.headroom))
+
+
+def _order_by_bound(ctx: _Context, degrees) -> list[tuple[int, int, int, int, int]]:
     """Degrees sorted by the lower bound of their smallest micro-batch (promising layouts first)."""
     keyed = []
     for dp, tp, pp, cp, ep in degrees:
-        micro_batches = micro_batch_options(train, dp, choices)
+        micro_batches = micro_batch_options(ctx.train, dp, ctx.choices)
         if not micro_batches:
             continue
         micro_batch = micro_batches[0]
-        probe = _layout(model, cluster, train, dp, tp, pp, cp, ep, micro_batch, "1f1b", 1, (1,) * pp, "none",
-                        sequence_parallel_option(tp, choices), 0)
-        layer = layer_work(probe, stack)[0]
-        per_layer = layer.forward + layer.backward_input + layer.backward_weight
-        bound = train.global_batch // (dp * micro_batch) * model.layers / pp * per_layer
+        probe = _layout(ctx, (dp, tp, pp, cp, ep, micro_batch, "1f1b", 1), (1,) * pp, "none",
+                        sequence_parallel_option(tp, ctx.choices), 0)
+        bound, _ = _family_bound(ctx, probe, ctx.train.global_batch // (dp * micro_batch))
         keyed.append((bound, (dp, tp, pp, cp, ep)))
     keyed.sort()
     return [degrees for _, degrees in keyed]
@@ -284,28 +426,3 @@ def _order_by_bound(model, cluster, train, degrees, choices, stack) -> list[tupl
 def _fixed_text(choices: Choices) -> str:
     return " ".join(f"--{name.replace('_', '-')} {value}" for name, value in vars(choices).items()
                     if value is not None)
-
-
-def _infeasible_message(smallest, cluster: ClusterSpec, headroom: float, choices: Choices) -> str:
-    if smallest is None:
-        return "no candidate plan could be built"
-    _, score, layout = smallest
-    capacity = cluster.groups[0].device.memory_bytes
-    usable = capacity * (1 - headroom)
-    tries = []
-    if choices.zero is not None and choices.zero < 3:
-        tries.append("drop --zero (ZeRO-3 shards the weights too)")
-    if choices.recompute is not None and choices.recompute != "full":
-        tries.append("drop --recompute (full recompute keeps only layer inputs)")
-    for dim in ("tp", "pp", "dp", "cp", "micro_batch"):
-        if getattr(choices, dim) is not None:
-            tries.append(f"drop --{dim.replace('_', '-')}")
-    tries += ["more GPUs", "a shorter --seq-len", "a device with more memory"]
-    if headroom > 0:
-        tries.append(f"a smaller --headroom (now {headroom:g})")
-    leanest = (f"dp{layout.dp} tp{layout.tp} pp{layout.pp}" + (f" cp{layout.cp}" if layout.cp > 1 else "")
-               + f" mb{layout.micro_batch} {layout.schedule} zero{layout.zero} rc={layout.recompute}")
-    return (f"no plan fits: the smallest plan ({leanest}) needs {score.peak_bytes / GIB:.1f} GiB per GPU on "
-            f"pipeline stage {score.peak_pp_rank}; the device has {capacity / GIB:.1f} GiB"
-            + (f" ({usable / GIB:.1f} GiB after {headroom:.0%} headroom)" if headroom else "")
-            + "; try " + ", ".join(tries))

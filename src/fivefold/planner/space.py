@@ -107,11 +107,17 @@ def recompute_options(stack: SoftwareStack, choices: Choices) -> list[str]:
     return ["none", "full"] if stack.attention == "flash" else ["none", "selective", "full"]
 
 
-def zero_options(dp: int, cp: int, choices: Choices) -> list[int]:
-    """Fastest first; with one replica every level is the same plan, so only 0."""
+def zero_options(dp: int, cp: int, choices: Choices, uneven_replicas: bool = False) -> list[int]:
+    """Fastest first; with one replica every level is the same plan, so only 0. With uneven micro-batches
+    per replica (replicas on the groups of a mixed cluster), ZeRO-0 first and ZeRO-1 only to save memory:
+    a ZeRO parameter all-gather is a collective every replica joins at the same point of its step (ZeRO-1
+    and 2 at the first forward, ZeRO-3 at every pass), so a fast replica would wait for the slow one's
+    forward there, which the even-split time of the cost model does not see (measured: bench/hetero.py)."""
     if choices.zero is not None:
         return [choices.zero]
-    return [0] if dp * cp == 1 else [1, 2, 3]
+    if dp * cp == 1:
+        return [0]
+    return [0, 1] if uneven_replicas else [1, 2, 3]
 
 
 def sequence_parallel_option(tp: int, choices: Choices) -> bool:
@@ -121,38 +127,80 @@ def sequence_parallel_option(tp: int, choices: Choices) -> bool:
 
 
 def balanced_layers(layers: int, stages: int, first_extra: float, last_extra: float,
-                    owners: list[int] | tuple[int, ...] | None = None) -> tuple[int, ...]:
+                    owners: list[int] | tuple[int, ...] | None = None,
+                    layer_time: list[float] | tuple[float, ...] | None = None,
+                    max_layers: list[int] | tuple[int, ...] | None = None) -> tuple[int, ...] | None:
     """Split `layers` over `stages` so the busiest pipeline rank is as little busy as possible.
 
-    The first stage also runs the embedding and the last the LM head; their cost is given in layers
-    (`first_extra`, `last_extra`). `owners[i]` is the rank running stage i (default: stage i on rank i);
-    with interleaved or V schedules a rank runs several stages, and it is the rank's sum that matters.
-    Every stage keeps at least one layer. Greedy water-filling: each layer goes to the least busy rank
-    (ties to the middle of the pipeline), onto its stage with the fewest layers.
+    The first stage also runs the embedding and the last the LM head; their cost is given in the units
+    of `layer_time` (`first_extra`, `last_extra`; in layers when `layer_time` is None). `owners[i]` is the
+    rank running stage i (default: stage i on rank i); with interleaved or V schedules a rank runs several
+    stages, and it is the rank's sum that matters. `layer_time[r]` is one layer's time on rank r (default
+    1 each): on a mixed cluster a faster device gets more layers (Metis-style). `max_layers[r]` caps the
+    layers rank r can hold in memory. Every stage keeps at least one layer; None when the caps leave no
+    room. Greedy water-filling: each layer goes to the rank where it would finish first (ties to the
+    middle of the pipeline), onto its stage with the fewest layers; for identical layers this minimises
+    the busiest rank's time.
     """
-    return _balanced(layers, stages, first_extra, last_extra, tuple(owners) if owners is not None else None)
+    return _balanced(layers, stages, first_extra, last_extra, tuple(owners) if owners is not None else None,
+                     tuple(layer_time) if layer_time is not None else None,
+                     tuple(max_layers) if max_layers is not None else None)
 
 
 @functools.lru_cache(maxsize=65536)
-def _balanced(layers: int, stages: int, first_extra: float, last_extra: float,
-              owners: tuple[int, ...] | None) -> tuple[int, ...]:
+def _balanced(layers: int, stages: int, first_extra: float, last_extra: float, owners: tuple[int, ...] | None,
+              layer_time: tuple[float, ...] | None, max_layers: tuple[int, ...] | None) -> tuple[int, ...] | None:
     owners = owners if owners is not None else tuple(range(stages))
     ranks = max(owners) + 1
+    cost = layer_time or (1.0,) * ranks
     counts = [1] * stages
+    held = [0] * ranks
     busy = [0.0] * ranks
-    for stage, rank in enumerate(owners):
-        busy[rank] += 1
+    for rank in owners:
+        busy[rank] += cost[rank]
+        held[rank] += 1
+    if max_layers is not None and any(held[r] > max_layers[r] for r in range(ranks)):
+        return None
     busy[owners[0]] += first_extra
     busy[owners[-1]] += last_extra
     stages_of = [[i for i in range(stages) if owners[i] == r] for r in range(ranks)]
     middle = (ranks - 1) / 2
-    heap = [(busy[r], abs(r - middle), r) for r in range(ranks)]
+    heap = [(busy[r] + cost[r], abs(r - middle), r) for r in range(ranks)
+            if max_layers is None or held[r] < max_layers[r]]
     heapq.heapify(heap)
     for _ in range(layers - stages):
+        if not heap:
+            return None
         _, distance, rank = heapq.heappop(heap)
         mine = stages_of[rank]
         stage = mine[0] if len(mine) == 1 else min(mine, key=lambda i: (counts[i], i))
         counts[stage] += 1
-        busy[rank] += 1
-        heapq.heappush(heap, (busy[rank], distance, rank))
+        held[rank] += 1
+        busy[rank] += cost[rank]
+        if max_layers is None or held[rank] < max_layers[rank]:
+            heapq.heappush(heap, (busy[rank] + cost[rank], distance, rank))
+    return tuple(counts)
+
+
+def balanced_replicas(micro_batches: int, seconds_per_micro_batch: list[float], unit: int = 1,
+                      minimum: int = 1) -> tuple[int, ...] | None:
+    """Micro-batches per data-parallel replica, summing to `micro_batches`, so that the replica that
+    finishes last finishes as early as possible (Cephalo-style: work in proportion to speed).
+
+    Counts are multiples of `unit` (schedules that run in rounds of pp micro-batches) and at least
+    `minimum` (a pipeline needs one per stage). Greedy: start every replica at the minimum, then give
+    each further unit to the replica that would finish it first. None when no split meets the rules.
+    """
+    replicas = len(seconds_per_micro_batch)
+    start = -(-minimum // unit) * unit
+    spare = micro_batches - start * replicas
+    if spare < 0 or spare % unit:
+        return None
+    counts = [start] * replicas
+    heap = [((start + unit) * t, r) for r, t in enumerate(seconds_per_micro_batch)]
+    heapq.heapify(heap)
+    for _ in range(spare // unit):
+        _, replica = heapq.heappop(heap)
+        counts[replica] += unit
+        heapq.heappush(heap, ((counts[replica] + unit) * seconds_per_micro_batch[replica], replica))
     return tuple(counts)

@@ -9,17 +9,17 @@ plan. Describe the slow devices to the planner with the cluster group key `speed
 `1x1xcpu:speed=0.33`), so it plans for what the knob does.
 
 How: the forward and backward of every block (and of the final norm and LM head on the last stage) are
-timed, wall clock, and (factor - 1) x that time is owed; the debt is paid by sleeping at the end of each
-pass over the stage (after the last module's forward, after the first block's backward), so the stage's
-compute takes `factor` times as long, as on a slower device. Backward is timed by two identity autograd
-functions per module: one on its output notes when the gradient arrives, one on its input when the
-module's backward is through. Timing each module rather than the whole pass keeps out what happens
+timed, wall clock, and right after each the rank sleeps (factor - 1) x that time, so the stage's compute
+takes `factor` times as long, as on a slower device. Backward is timed by two identity autograd functions
+per module: one on its output notes when the gradient arrives, one on its input when the module's
+backward is through. Timing and sleeping per module keeps out, and keeps in order with, what happens
 between modules: FSDP's parameter gathers and gradient reductions, which wait for the other ranks (a
-rank that waited for a slow peer must not sleep for it). Sleep rather than extra arithmetic: on a
-machine with fewer cores than processes extra work on one rank would steal cores from the others, while
-a sleeping rank leaves its core to them, as a slow GPU slows only its own rank. One sleep per pass
-rather than per module: a process that sleeps loses its caches, and waking cold after every block made
-blocks ~40% slower on the test machine. Oversleeping is taken off the next sleep. Numerics are
+rank must not sleep for time spent waiting on a slow peer, and a slow GPU finishes a block's backward
+before that block's gradients are reduced). Sleep rather than extra arithmetic: on a machine with fewer
+cores than processes extra work on one rank would steal cores from the others, while a sleeping rank
+leaves its core to them, as a slow GPU slows only its own rank. Oversleeping is taken off the next sleep.
+A process that sleeps wakes with cold caches: the slowdown comes out a few percent above `factor` on an
+idle machine (3.3x for 3 on the test machine), more when other jobs take the core meanwhile. Numerics are
 untouched: the functions pass tensors and gradients through unchanged, so losses are bit-identical.
 
 Not slowed: the embedding, the loss, communication and the optimizer step; the separate weight-gradient
@@ -62,10 +62,10 @@ def slow_down(model: nn.Module, plan: Plan, rank: int) -> nn.Module:
     """Attach the slowdown to `model` (one stage) when this rank's device is listed in the knob."""
     factor = slow_factors(os.environ.get(ENV, "")).get(plan.placement[rank], 1.0)
     timed = [*model.layers.values(), *(m for m in (model.norm, model.output) if m is not None)]
-    if factor > 1.0 and timed:
-        clock = _StageClock(factor)
-        for index, module in enumerate(timed):
-            clock.attach(module, first=index == 0, last=index == len(timed) - 1)
+    if factor > 1.0:
+        clock = _Clock(factor)
+        for module in timed:
+            clock.attach(module)
     return model
 
 
@@ -75,39 +75,35 @@ def _now(tensor: torch.Tensor) -> float:
     return time.perf_counter()
 
 
-class _StageClock:
-    """The sleep one stage owes, and the start of the module running now."""
+class _Clock:
+    """The start of the module running now, and the sleep owed (negative after oversleeping)."""
 
     def __init__(self, factor: float) -> None:
         self.factor = factor
-        self.owed = 0.0  # seconds of sleep owed; negative after oversleeping
-        self.forward_started = 0.0  # of the module running forward now
-        self.gradient_arrived = 0.0  # at the module running backward now
-        self.in_backward = False  # from the stage's first gradient to its first block's; a forward seen
-        #                           then is activation recompute, already timed as part of the backward
+        self.owed = 0.0
+        self.forward_started = 0.0
+        self.gradient_arrived = 0.0
+        self.in_backward = False  # between a module's gradient arriving and its backward being through; a
+        #                           forward seen then is activation recompute, timed as part of the backward
 
-    def attach(self, module: nn.Module, first: bool, last: bool) -> None:
+    def attach(self, module: nn.Module) -> None:
         def before(module: nn.Module, args: tuple) -> tuple:
             x = args[0]
             if not self.in_backward:
                 self.forward_started = _now(x)
-            return (_BackwardDone.apply(x, self, first), *args[1:]) if x.requires_grad else args
+            return (_BackwardDone.apply(x, self), *args[1:]) if x.requires_grad else args
 
         def after(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
             if not self.in_backward:
-                self.owe(_now(output) - self.forward_started)
-                if last:
-                    self.pay()
+                self.sleep_for(_now(output) - self.forward_started)
             return _GradientArrives.apply(output, self) if output.requires_grad else output
 
         module.register_forward_pre_hook(before)
         module.register_forward_hook(after)
 
-    def owe(self, seconds: float) -> None:
+    def sleep_for(self, seconds: float) -> None:
+        """Sleep (factor - 1) x `seconds`, less what earlier sleeps overshot."""
         self.owed += (self.factor - 1.0) * max(0.0, seconds)
-
-    def pay(self) -> None:
-        """Sleep what is owed; oversleeping is taken off the next time."""
         if self.owed > 0:
             started = time.perf_counter()
             time.sleep(self.owed)
@@ -118,7 +114,7 @@ class _GradientArrives(torch.autograd.Function):
     """Identity on a module's output; in backward, the moment the module's backward starts."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, clock: _StageClock) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, clock: _Clock) -> torch.Tensor:
         ctx.clock = clock
         return x.view_as(x)
 
@@ -130,19 +126,16 @@ class _GradientArrives(torch.autograd.Function):
 
 
 class _BackwardDone(torch.autograd.Function):
-    """Identity on a module's input; in backward, the module's backward is through: owe for it, and
-    after the stage's first block pay."""
+    """Identity on a module's input; in backward, the module's backward is through: sleep for it."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, clock: _StageClock, first: bool) -> torch.Tensor:
-        ctx.clock, ctx.first = clock, first
+    def forward(ctx, x: torch.Tensor, clock: _Clock) -> torch.Tensor:
+        ctx.clock = clock
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         clock = ctx.clock
-        clock.owe(_now(grad) - clock.gradient_arrived)
-        if ctx.first:
-            clock.in_backward = False
-            clock.pay()
-        return grad, None, None
+        clock.in_backward = False
+        clock.sleep_for(_now(grad) - clock.gradient_arrived)
+        return grad, None
