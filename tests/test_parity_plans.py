@@ -42,6 +42,8 @@ PLANS: dict[str, tuple[int, str, dict]] = {
     "dp2xtp2-fsdp": (4, "tiny", dict(dp=2, tp=2, zero=3, sequence_parallel=True, micro_batch=2)),
     "tp2xpp2": (4, "tiny", dict(tp=2, pp=2, sequence_parallel=True, micro_batch=2)),
     "dp2xpp2": (4, "tiny", dict(dp=2, pp=2, schedule="gpipe", micro_batch=2)),
+    # devices permuted within the node (placement[r] = device of rank r)
+    "dp2xpp2-placement": (4, "tiny", dict(dp=2, pp=2, micro_batch=2, placement=(2, 0, 3, 1))),
     "dp2xpp2-fsdp-interleaved": (4, "tiny", dict(dp=2, pp=2, zero=3, schedule="interleaved-1f1b",
                                                  virtual_stages=2, micro_batch=2)),
     "dp2xpp2-zbv-zero2-recompute": (4, "tiny", dict(dp=2, pp=2, zero=2, schedule="zbv", virtual_stages=2,

@@ -137,7 +137,7 @@ def test_chrome_trace_names_every_rank_by_its_coordinates():
 
 
 def test_per_rank_gather_and_own_step_time_in_one_process():
-    assert gather_from_ranks([0.5, 0.02], torch.device("cpu")) == [[0.5, 0.02]]
+    assert gather_from_ranks([0.5, 0.02], torch.device("cpu"), 0) == [[0.5, 0.02]]
     start = time.perf_counter()
     time.sleep(0.01)
     assert 0.01 <= seconds_since(start, torch.device("cpu")) < 1.0

@@ -3,10 +3,11 @@
 Ranks sit on a mesh of dims Plan.MESH_DIMS = (pp, dp, cp, tp), tp innermost, exactly as Plan.coords and
 Plan.group_ranks number them, so the runtime and the planner agree on who talks to whom.
 
-Placement on one machine: rank i uses local device LOCAL_RANK = i % local_world (what torchrun and the
-elastic launcher set), i.e. consecutive ranks, and so a tp group, share a node. A plan's `placement`
-(rank -> cluster device) describes the same layout for the cost model; across several nodes torchrun's
-node rank decides which node a rank lands on.
+Placement: torchrun numbers processes node by node, so rank r runs on the node that holds cluster device r
+(start the nodes in the cluster's group order). Within that node, rank r uses the local GPU its
+`placement[r]` names, so a plan may permute devices inside a node; moving a rank to another node would need
+a mesh laid out over permuted process ranks, whose process groups torch 2.13 orders by process rank rather
+than by mesh coordinate, so launch.check_runnable refuses such placements.
 """
 
 from __future__ import annotations
@@ -37,13 +38,14 @@ class Mesh:
         return self.world[dim]
 
 
-def pick_device(kind: str) -> torch.device:
-    """cpu, or this process's local GPU (LOCAL_RANK); `auto` takes cuda when there is one."""
+def pick_device(kind: str, plan: Plan) -> torch.device:
+    """cpu, or the local GPU this rank's placement names; `auto` takes cuda when there is one."""
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        rank = int(os.environ.get("RANK", "0"))
+        local_index = plan.cluster.slots()[plan.placement[rank]].local
+        device = torch.device("cuda", local_index % torch.cuda.device_count())
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")

@@ -176,7 +176,7 @@ def train(config: RunConfig) -> dict:
     # nn.Linear on [batch, seq, hidden] returns a reshaped view, which FSDP2 flags in case someone
     # modifies it in place; the logits are only read by the loss.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    device = pick_device(config.device)
+    device = pick_device(config.device, plan)
     init_distributed_with_timeout(device, config.collective_timeout)
     init_distributed(device)
     mesh = build_mesh(plan, device)
@@ -261,7 +261,7 @@ def train(config: RunConfig) -> dict:
             optimizer.zero_grad(set_to_none=True)
         own_step_time = seconds_since(start, device)  # this rank's step, before the gathers below
         memory_per_rank, time_per_rank, forward_per_rank = zip(*gather_from_ranks(
-            [peak_memory_gib(device), own_step_time, forward_clock.take()], device))
+            [peak_memory_gib(device), own_step_time, forward_clock.take()], device, mesh.rank))
         memory = max(memory_per_rank)  # the busiest rank's memory is the one that must fit
         if device.type == "cuda":
             torch.cuda.synchronize(device)
