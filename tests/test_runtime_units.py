@@ -218,16 +218,17 @@ def test_check_runnable(plan_fields, nproc, field):
     assert "\n" not in str(error.value)
 
 
-def test_placement_may_permute_devices_within_a_node_only():
+def test_placement_across_machines_permutes_devices_within_a_node_only():
     from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
 
     def plan_on(cluster: str, placement: tuple[int, ...]) -> Plan:
         return Plan(model=PRESETS["tiny"], cluster=parse_cluster(cluster), train=TrainSpec(seq_len=32, global_batch=8),
                     dp=4, placement=placement)
 
-    check_runnable(plan_on("2x2xcpu", (1, 0, 3, 2)), 4)
+    check_runnable(plan_on("2x2xcpu", (1, 0, 3, 2)), 4, local_nproc=2)
+    check_runnable(plan_on("2x2xcpu", (2, 3, 0, 1)), 4)  # one machine runs all four: any device order
     with pytest.raises(SpecError, match="puts rank 0 on device 2 \\(node 1\\) but torchrun starts rank 0 on node 0"):
-        check_runnable(plan_on("2x2xcpu", (2, 3, 0, 1)), 4)
+        check_runnable(plan_on("2x2xcpu", (2, 3, 0, 1)), 4, local_nproc=2)
 
 
 def test_check_runnable_cuda_needs_gpus():

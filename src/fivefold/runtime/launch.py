@@ -30,11 +30,13 @@ def check_runnable(plan: Plan, nproc: int, device: str = "cpu", gpus: int = 0, l
     require(nproc == plan.world_size, "--nproc", nproc,
             f"the plan needs dp*tp*pp*cp = {plan.world_size} processes ({plan.describe()}); "
             f"give --nproc {plan.world_size}, or a layout for {nproc} (e.g. --cluster 1x{nproc}xcpu)")
-    slots = plan.cluster.slots()
-    for rank, device_index in enumerate(plan.placement):
-        require(slots[device_index].node == slots[rank].node, "plan.placement", list(plan.placement)[:16],
-                f"puts rank {rank} on device {device_index} (node {slots[device_index].node}) but torchrun starts "
-                f"rank {rank} on node {slots[rank].node}; the runtime permutes devices within a node only")
+    if local_nproc < nproc:  # several machines: torchrun decides the node of each rank
+        slots = plan.cluster.slots()
+        for rank, device_index in enumerate(plan.placement):
+            require(slots[device_index].node == slots[rank].node, "plan.placement", list(plan.placement)[:16],
+                    f"puts rank {rank} on device {device_index} (node {slots[device_index].node}) but torchrun "
+                    f"starts rank {rank} on node {slots[rank].node}; across machines the runtime permutes devices "
+                    "within a node only")
     require(plan.cp == 1, "plan.cp", plan.cp, "context parallelism is not in the runtime yet; use cp=1")
     require(plan.ep == 1 and not plan.model.is_moe, "model.experts", plan.model.experts,
             "MoE models are not in the runtime yet; use a dense model")

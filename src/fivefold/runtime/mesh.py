@@ -3,11 +3,11 @@
 Ranks sit on a mesh of dims Plan.MESH_DIMS = (pp, dp, cp, tp), tp innermost, exactly as Plan.coords and
 Plan.group_ranks number them, so the runtime and the planner agree on who talks to whom.
 
-Placement: torchrun numbers processes node by node, so rank r runs on the node that holds cluster device r
-(start the nodes in the cluster's group order). Within that node, rank r uses the local GPU its
-`placement[r]` names, so a plan may permute devices inside a node; moving a rank to another node would need
-a mesh laid out over permuted process ranks, whose process groups torch 2.13 orders by process rank rather
-than by mesh coordinate, so launch.check_runnable refuses such placements.
+Placement: rank r runs on the device `placement[r]` names. On one machine that is any of its devices. On
+several, torchrun numbers processes node by node, so rank r runs on the node that holds cluster device r
+(start the nodes in the cluster's group order) and uses the local GPU its placement names there; moving a
+rank to another node would need a mesh laid out over permuted process ranks, whose process groups torch 2.13
+orders by process rank rather than by mesh coordinate, so launch.check_runnable refuses such placements.
 """
 
 from __future__ import annotations
@@ -43,8 +43,10 @@ def pick_device(kind: str, plan: Plan) -> torch.device:
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
-        rank = int(os.environ.get("RANK", "0"))
-        local_index = plan.cluster.slots()[plan.placement[rank]].local
+        device_index = plan.placement[int(os.environ.get("RANK", "0"))]
+        one_machine = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE")) == os.environ.get("WORLD_SIZE")
+        # One machine: the plan's devices are this machine's GPUs in order; several: the index inside the node.
+        local_index = device_index if one_machine else plan.cluster.slots()[device_index].local
         device = torch.device("cuda", local_index % torch.cuda.device_count())
         torch.cuda.set_device(device)
         return device
