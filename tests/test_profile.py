@@ -33,7 +33,15 @@ def test_quick_profile_writes_a_usable_cluster_file(tmp_path, capsys):
     assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
     sizes = sorted({p["message_bytes"] for p in data["cluster"]["group"][0]["calibration"]["collective"]})
     assert sizes[0] == 4096 and sizes[-1] == 4 * 2**20
-    assert len(cluster.groups[0].calibration.gemm) >= 10 and len(cluster.groups[0].calibration.collectives) == 30
+    calibration = cluster.groups[0].calibration
+    assert len(calibration.gemm) >= 10 and len(calibration.collectives) == 30
+    # Both ranks measured GEMMs, memory and host costs at once, with the launcher's threads per rank
+    # (conftest sets OMP_NUM_THREADS=1); every host cost was measured.
+    assert (calibration.processes, calibration.threads) == (2, 1)
+    host = calibration.host
+    assert host is not None and all(getattr(host, name) > 0 for name in ("op_forward", "op_backward",
+                                                                          "dtensor_op_forward", "optimizer_tensor",
+                                                                          "optimizer_dtensor"))
 
 
 def test_calibration_round_trips_through_a_plan(tmp_path):

@@ -22,7 +22,9 @@ Measured curves: a cluster group profiled by `fivefold profile` carries GEMM thr
 instead of the tile/K-overhead/roofline model: log FLOP/s interpolated piecewise-linearly over log
 arithmetic intensity (FLOPs per byte of A, B and C moved, which grows with size and falls for skinny
 shapes), clamped to the end points outside the measured range; fused attention scales with the best
-measured rate as it scales with `gemm_peak` otherwise.
+measured rate as it scales with `gemm_peak` otherwise. A CPU profile also carries the host costs of the
+eager runtime (Calibration.host): the device then keeps them (Device.host) for the stack to charge per
+op, takes the measured memory bandwidth as achieved, and adds no per-kernel latency of its own.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import math
 from bisect import bisect_right
 from dataclasses import dataclass
 
-from fivefold.spec.cluster import Calibration
+from fivefold.spec.cluster import Calibration, HostCosts
 from fivefold.spec.devices import DeviceSpec
 
 
@@ -127,14 +129,20 @@ def gemm_curve(calibration: Calibration | None, dtype: str) -> GemmCurve | None:
 class Device:
     """A device and a training dtype, with the few numbers every kernel-time formula needs."""
 
-    __slots__ = ("spec", "profile", "peak", "bandwidth", "gemm_peak", "latency", "element_bytes", "gemm_curve")
+    __slots__ = ("spec", "profile", "peak", "bandwidth", "gemm_peak", "latency", "element_bytes", "gemm_curve",
+                 "host")
 
     def __init__(self, spec: DeviceSpec, dtype: str, calibration: Calibration | None = None) -> None:
         self.spec = spec
         self.profile = profile_of(spec)
         self.peak = spec.flops(dtype)  # dense FLOP/s of the dtype
-        self.bandwidth = spec.memory_bandwidth * self.profile.memory_fraction  # achievable bytes/s
-        self.latency = self.profile.kernel_latency
+        # Measured host costs mark a profiled CPU rank: its memory bandwidth is the profile's STREAM copy
+        # (already what a rank achieves among N), and the fixed cost of an op is its host cost, which an
+        # eager stack counts per op (cost/step.py), so the catalog's per-kernel latency is not added.
+        self.host: HostCosts | None = calibration.host if calibration is not None else None
+        fraction = 1.0 if self.host is not None else self.profile.memory_fraction
+        self.bandwidth = spec.memory_bandwidth * fraction  # achievable bytes/s
+        self.latency = 0.0 if self.host is not None else self.profile.kernel_latency
         self.element_bytes = dtype_bytes(dtype)
         self.gemm_curve = gemm_curve(calibration, dtype)  # measured GEMM rates, when profiled
         # FLOP/s of a large, well-shaped GEMM: the best measured one, else the catalog fraction of peak.

@@ -28,6 +28,7 @@ from fivefold.cost.comm import Topology, all_gather_time, all_reduce_time, reduc
 from fivefold.cost.layer import padded_vocab
 from fivefold.cost.layout import Layout, RankEnv
 from fivefold.cost.stack import DataParallelSync, SoftwareStack, data_parallel_sync
+from fivefold.spec.model import ModelSpec
 
 if TYPE_CHECKING:
     from fivefold.cost.step import RankGroup
@@ -48,9 +49,48 @@ def optimizer_time(layout: Layout, env: RankEnv, dense: float, expert: float) ->
     return (dense + expert) * OPTIMIZER_BYTES_PER_PARAM[layout.train.dtype] / env.device.bandwidth
 
 
+def parameter_tensors(model: ModelSpec, layers: int, first: bool, last: bool, holds_embedding: bool = False) -> int:
+    """Parameter tensors of a stage (the optimizer's per-tensor work), as fivefold.models builds them:
+    per block the q, k, v, o projections (with biases in LayerNorm blocks), the MLP (SwiGLU: three
+    matrices; GeLU: two with biases) and two norms (LayerNorm: weight and bias); the embedding tables
+    on the first stage, the final norm and (untied, or tied but elsewhere) the LM head on the last."""
+    norm_tensors = 2 if model.norm == "layernorm" else 1
+    attention = 4 * norm_tensors  # a bias per projection exactly when the norms have one
+    mlp = 3 if model.mlp == "swiglu" else 4
+    tensors = layers * (attention + mlp + 2 * norm_tensors)
+    if first:
+        tensors += 1 + (model.position == "learned")
+    if last:
+        tensors += norm_tensors + (0 if model.tied_embeddings and (first or holds_embedding) else 1)
+    return tensors
+
+
+def optimizer_host_time(layout: Layout, env: RankEnv, tensors: int) -> float:
+    """The host side of the runtime's AdamW on a profiled CPU rank: one tensor at a time (torch has no
+    foreach kernels on CPU), dearer per tensor when the parameters are DTensors (dp > 1 under FSDP2 or
+    replicate, or tp > 1)."""
+    host = env.device.host
+    if host is None:
+        return 0.0
+    distributed = layout.dp * layout.cp > 1 or layout.tp > 1
+    return tensors * (host.optimizer_dtensor if distributed else host.optimizer_tensor)
+
+
+def fsdp_host_time(layout: Layout, stack: SoftwareStack, env: RankEnv, units: int) -> float:
+    """Host side of the FSDP2 / replicate collectives of one step on a profiled CPU rank: every wrapped
+    module (each block and each stage model) gathers and reduces on its own, as often as the data-parallel
+    schedule says (the collectives' own time is in data_parallel_time)."""
+    host = env.device.host
+    if host is None or layout.dp * layout.cp <= 1:
+        return 0.0
+    policy = data_parallel_sync(stack, layout.zero, layout.pp)
+    return _total(policy, units * host.fsdp_reduce, units * host.fsdp_gather, layout.num_micro_batches, layout.pp)
+
+
 def sync_seconds(layout: Layout, stack: SoftwareStack, env: RankEnv, dense: float,
-                 expert: float) -> tuple[float, float]:
-    """(one gradient reduction, one weight all-gather) of these parameters over the rank's replicas.
+                 expert: float, modules: int = 1) -> tuple[float, float]:
+    """(one gradient reduction, one weight all-gather) of these parameters over the rank's replicas,
+    in `modules` equal collectives (stack.collective_per_module: one per wrapped module).
 
     ZeRO-0 all-reduces the gradients; ZeRO >= 1 reduce-scatters them and all-gathers the weights."""
     grad_bytes = stack.gradient_bytes(layout.train.dtype)
@@ -59,11 +99,12 @@ def sync_seconds(layout: Layout, stack: SoftwareStack, env: RankEnv, dense: floa
     for params, link in ((dense, env.replicas), (expert, env.expert_replicas)):
         if params <= 0 or link.size <= 1:
             continue
+        piece = params / modules
         if layout.zero == 0:
-            reduce += all_reduce_time(params * grad_bytes, link)
+            reduce += modules * all_reduce_time(piece * grad_bytes, link)
         else:
-            reduce += reduce_scatter_time(params * grad_bytes, link)
-            gather += all_gather_time(params * weight_bytes, link)
+            reduce += modules * reduce_scatter_time(piece * grad_bytes, link)
+            gather += modules * all_gather_time(piece * weight_bytes, link)
     return reduce, gather
 
 
@@ -128,7 +169,8 @@ def data_parallel_time(layout: Layout, stack: SoftwareStack, groups: list[RankGr
     stretched = []
     for group in groups:
         forward, backward_input, backward_weight = group.work
-        reduce, gather = sync_seconds(layout, stack, group.env, group.dense, group.expert)
+        modules = group.layers + group.chunks if stack.collective_per_module else 1
+        reduce, gather = sync_seconds(layout, stack, group.env, group.dense, group.expert, modules)
         ends = group.first or group.last
         if reduce <= 0 and gather <= 0 and not (ends and tied > 0):
             stretched.append(group.work)

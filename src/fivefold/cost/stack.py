@@ -9,7 +9,7 @@ collective schedule that both the estimate (cost/dataparallel.py) and the simula
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fivefold.errors import SpecError
 from fivefold.spec.model import ModelSpec
@@ -36,6 +36,10 @@ class SoftwareStack:
     pipeline_defers_grad_sync: bool = False  # pp > 1: gradients reduced once, after a stage's last backward,
     #                                          while the rank waits; shards stay gathered after backward
     zero2_reshards_after_backward: bool = False  # ZeRO-2 frees gathered weights after every backward
+    eager_host_costs: bool = False  # ops dispatched one by one from Python: with a profile's measured host
+    #                                 costs (CPU), each pass costs eager_ops x seconds per op (step.py)
+    collective_per_module: bool = False  # FSDP2 / replicate gather and reduce each wrapped module (each block
+    #                                      and stage model) in its own collective, not in large buckets
 
     def uses_dropout(self, model: ModelSpec) -> bool:
         # GPT recipes (Megatron, GPT-2/3) train with dropout 0.1; Llama-style recipes use none.
@@ -66,10 +70,89 @@ STACKS: dict[str, SoftwareStack] = {
     # (fully_shard, reshard_after_forward=False) frees its gathered weights after each backward. With
     # pp > 1, torch.distributed.pipelining's PipelineStage turns gradient sync and resharding after
     # backward off for every backward and runs REDUCE_GRAD once after the stage's last backward, and
-    # the compute stream waits for it. Kernel-launch overhead is the default, not measured here.
+    # the compute stream waits for it. Kernel-launch overhead is the default, not measured here; on a
+    # profiled CPU the measured host costs of its eager ops, FSDP2 hooks and AdamW replace it (step.py).
     "fivefold": SoftwareStack(name="fivefold", dropout=False, overlap_tp_backward=False, grad_reduce_bytes=4,
-                              pipeline_defers_grad_sync=True, zero2_reshards_after_backward=True),
+                              pipeline_defers_grad_sync=True, zero2_reshards_after_backward=True,
+                              eager_host_costs=True),
 }
+# The same runtime on CPU ranks (a profile with host costs selects it, see on_host_profiled_cpu): the CPU
+# that computes is the one that issues, so nothing runs ahead and FSDP2's gathers and reductions do not
+# hide under compute (gloo runs them on the same busy cores); each wrapped module's collective pays gloo's
+# latency. On GPUs the bucketed form is kept, so GPU predictions do not depend on it.
+STACKS["fivefold-cpu"] = replace(STACKS["fivefold"], name="fivefold-cpu", overlap_grad_reduce=False,
+                                 overlap_param_gather=False, collective_per_module=True)
+
+
+def on_host_profiled_cpu(stack: SoftwareStack) -> SoftwareStack:
+    """The stack's CPU variant (`NAME-cpu`), used when the ranks are CPUs profiled with host costs."""
+    return STACKS.get(f"{stack.name}-cpu", stack) if stack.eager_host_costs else stack
+
+
+@dataclass(frozen=True)
+class EagerOps:
+    """Aten ops fivefold's eager runtime (fivefold.models, the runtime's loss) dispatches for one
+    micro-batch; the host cost of a pass on a CPU is these counts x the profile's seconds per op."""
+
+    layer_forward: int  # one transformer block
+    layer_backward: int
+    embedding_forward: int  # token (and learned position) embedding, first stage
+    embedding_backward: int
+    head_forward: int  # final norm, LM head and cross-entropy loss, last stage
+    head_backward: int
+    stage_forward: int  # every stage model: its position ids
+    layer_forward_traffic: float  # elements per token one block's unfused forward moves beyond cost/layer.py's
+    layer_backward_traffic: float  # fused element-wise kernels (forward, backward)
+
+
+def eager_ops(model: ModelSpec) -> EagerOps:
+    """The counts for this model's block variant, counted with a TorchDispatchMode on torch 2.13
+    (tests/test_cost_calibration_host.py recounts them on the runtime's modules).
+
+    The GPT block (LayerNorm, learned positions, GeLU, biases, one kv head per head) dispatches 39 ops
+    forward and 93 backward; RoPE adds the cos/sin tables and two rotations (28 / 14); SwiGLU the gate
+    (5 / 6); RMSNorm, unfused, more than LayerNorm, and the Llama block drops the attention biases
+    (12 / 18); grouped-query attention the repeat_interleave of K and V (8 / 7). The head's count
+    includes the loss, whose targets (a slice of the batch) are copied when flattened.
+
+    Traffic: the element-wise ops of a block (all but the matmuls and attention) read and write, per
+    token, 44h + 9f + 7kv elements forward and 82h + 9f + 2kv backward in the Llama block (h hidden, f
+    MLP width, kv the K/V width; fitted over 7 shapes, within 3%): unfused RMSNorm (pow, mean, rsqrt,
+    two products), RoPE's rotations, SwiGLU's product, GQA's repeated K/V, autograd's gradient sums. The
+    fused kernels of cost/layer.py charge 12h + 3f + 2kv and 10h + 5f + 2kv of it. The GPT block
+    (LayerNorm and GeLU are single ops) moves 10h + 2f and 23h + 4f: the fused forward, and a backward
+    15h + f heavier. Other mixtures take the formula of their position encoding's family."""
+    rope, swiglu = model.position == "rope", model.mlp == "swiglu"
+    rms, grouped = model.norm == "rmsnorm", model.kv_heads < model.heads
+    learned = model.position == "learned"
+    h, f, kv = model.hidden, model.ffn_hidden, model.kv_heads * model.head_dim
+    forward_traffic, backward_traffic = (32 * h + 6 * f + 5 * kv, 72 * h + 4 * f) if rope else (0, 15 * h + f)
+    return EagerOps(
+        layer_forward=39 + 28 * rope + 5 * swiglu + 12 * rms + 8 * grouped,
+        layer_backward=93 + 14 * rope + 6 * swiglu + 18 * rms + 7 * grouped,
+        embedding_forward=1 + 2 * learned, embedding_backward=1 + 4 * learned,
+        head_forward=13 + 6 * rms, head_backward=19 + 15 * rms, stage_forward=1,
+        layer_forward_traffic=forward_traffic, layer_backward_traffic=backward_traffic)
+
+
+@dataclass(frozen=True)
+class TensorParallelCollectives:
+    """DTensor collectives the runtime's tensor parallelism issues per micro-batch (counted on torch 2.13:
+    DTensor does not merge the input-gradient all-reduces of wq, wk, wv and of w1, w3 without sequence
+    parallelism)."""
+
+    layer_forward: int
+    layer_backward: int
+    embedding_forward: int
+    embedding_backward: int
+    head_forward: int  # with the logits gathered whole for the loss
+    head_backward: int
+
+
+def tensor_parallel_collectives(sequence_parallel: bool) -> TensorParallelCollectives:
+    if sequence_parallel:  # all-gather before and reduce-scatter after attention and MLP, both ways
+        return TensorParallelCollectives(4, 4, 1, 1, 2, 1)
+    return TensorParallelCollectives(2, 5, 1, 0, 1, 1)
 
 
 def stack_named(name: str) -> SoftwareStack:

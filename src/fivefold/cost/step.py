@@ -18,6 +18,13 @@ How the step time is composed (the simulator replays exactly this from Estimate.
    minus pipeline_s; plus once-per-step gathers that delay the first forward; plus reductions still
    running when the pipeline ends (after each rank's own finish) and the tied-embedding all-reduce.
 5. step_time_s = pipeline_s + dp_comm_exposed_s + optimizer_s.
+On a profiled CPU rank (Calibration.host) a stack with `eager_host_costs` becomes its CPU variant
+(stack.on_host_profiled_cpu: nothing overlaps, one collective per FSDP module) and adds its measured host
+costs in series (one thread computes and dispatches): each pass costs its eager ops (stack.eager_ops) x seconds
+per op (DTensor's with tp > 1, and what each DTensor collective costs beyond the collective), plus the
+FSDP2 hooks of each wrapped module (each block and each stage model) when dp > 1, and the memory traffic of its unfused element-wise ops beyond the fused kernels; the host side of every FSDP gather and reduction joins dp_comm_exposed_s, as do the
+runtime's small per-step collectives (gradient norm, loss, metrics), and the optimizer pays a per-tensor
+cost (cost/dataparallel.py).
 Memory: a rank's peak = its model states (ZeRO; gradients stay whole when the stack reduces them only
 once per step) + in-flight micro-batches x stored activations (cost/memory.py) + transient working
 memory (ZeRO-3: the layers being gathered, or all of the rank's weights when they stay gathered between
@@ -29,15 +36,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fivefold.cost.comm import Topology, p2p_time, topology_of
-from fivefold.cost.dataparallel import data_parallel_time, optimizer_time
+from fivefold.cost.comm import Topology, all_reduce_time, p2p_time, topology_of
+from fivefold.cost.dataparallel import (data_parallel_time, fsdp_host_time, optimizer_host_time, optimizer_time,
+                                       parameter_tensors)
 from fivefold.cost.flops import hardware_flops_per_step, model_flops_per_step
-from fivefold.cost.layer import padded_vocab
+from fivefold.cost.layer import ZERO_PASS, PassCost, padded_vocab
 from fivefold.cost.layout import (Layout, RankEnv, layer_costs, layer_work, rank_envs, stage_owners,  # noqa: F401
                                   stage_params)
 from fivefold.cost.memory import GIB, RankMemory, in_flight_chunks, zero_model_state_bytes
 from fivefold.cost.pipeline import pipeline_time
-from fivefold.cost.stack import STACKS, SoftwareStack, data_parallel_sync
+from fivefold.cost.stack import (STACKS, SoftwareStack, TensorParallelCollectives, data_parallel_sync, eager_ops,
+                                 on_host_profiled_cpu, tensor_parallel_collectives)
 from fivefold.spec.plan import Plan
 
 
@@ -137,10 +146,10 @@ class RankGroup:
 
     def __init__(self, layout: Layout, stack: SoftwareStack, env: RankEnv, costs: tuple, layers: int,
                  first: bool, last: bool, chunks: int, extra_activation: float) -> None:
-        layer, embedding, head, activation, _ = costs
+        layer, embedding, head, activation, _, per_chunk = costs
         self.ranks: list[int] = []  # shared with the cached pipeline shape: never mutate
         self.env, self.layers, self.first, self.last, self.chunks = env, layers, first, last, chunks
-        cost = layer.scaled(layers)
+        cost = layer.scaled(layers) + per_chunk.scaled(chunks)
         if first:
             cost = cost + embedding
         if last:
@@ -162,6 +171,8 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
     """
     topology = topology_of(layout.cluster)
     envs = rank_envs(layout, topology)
+    if envs[0].device.host is not None:  # CPU ranks profiled with host costs: the stack's CPU variant
+        stack = on_host_profiled_cpu(stack)
     p, m_batches = layout.pp, layout.num_micro_batches
     e = 4 if layout.train.dtype == "fp32" else 2
     tokens = layout.micro_batch * layout.train.seq_len // layout.cp
@@ -181,7 +192,7 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
     ordered = []
     for layers, first, last, chunks, env, ranks in shapes:
         if id(env) not in costs_of:
-            costs_of[id(env)] = layer_costs(layout, env, stack)
+            costs_of[id(env)] = with_host_costs(layout, env, stack, layer_costs(layout, env, stack))
         group = RankGroup(layout, stack, env, costs_of[id(env)], layers, first, last, chunks, embedding_activation)
         group.ranks = ranks
         ordered.append(group)
@@ -195,7 +206,12 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
         held = pipeline_time(layout.schedule, p, layout.virtual_stages, m_batches, data.stretched, hop,
                              stack.async_p2p, members).total
     dp_exposed = held - pipe.total + data.head + data.tail
-    optimizer = max(optimizer_time(layout, g.env, g.dense, g.expert) for g in ordered)
+    if stack.eager_host_costs and any(g.env.device.host is not None for g in ordered):
+        dp_exposed += max(fsdp_host_time(layout, stack, g.env, g.layers + g.chunks) for g in ordered)
+        dp_exposed += bookkeeping_time(layout, topology, envs[0], [first_ranks[r] for r in range(p)])
+    optimizer = max(optimizer_time(layout, g.env, g.dense, g.expert) + (optimizer_host_time(
+        layout, g.env, parameter_tensors(layout.model, g.layers, g.first, g.last, g.first))
+        if stack.eager_host_costs else 0.0) for g in ordered)
     step = pipe.total + dp_exposed + optimizer
 
     # Memory: a group peaks on its first rank (the one with the most micro-batches in flight).
@@ -256,6 +272,64 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
         breakdown_s=breakdown, stack=stack.name)
 
 
+NO_TP_COLLECTIVES = TensorParallelCollectives(0, 0, 0, 0, 0, 0)
+
+
+def _host_pass(forward: float, backward: float, recompute: bool) -> PassCost:
+    """Host seconds in series with a pass: forward, input-gradient backward, and the forward again when
+    recomputed."""
+    redo = forward if recompute else 0.0
+    return PassCost(forward, backward, 0.0, redo, 0.0, 0.0, 0.0, 0.0, forward + backward + redo)
+
+
+def with_host_costs(layout: Layout, env: RankEnv, stack: SoftwareStack, costs: tuple) -> tuple:
+    """layer_costs' (layer, embedding, head, activation, transient) plus a per-stage-model PassCost, with
+    the eager stack's measured host costs added when the rank's device has them (module docstring)."""
+    host = env.device.host
+    if host is None or not stack.eager_host_costs:
+        return (*costs, ZERO_PASS)
+    layer, embedding, head, activation, transient = costs
+    ops = eager_ops(layout.model)
+    tensor_parallel = layout.tp > 1
+    op_f = host.dtensor_op_forward if tensor_parallel else host.op_forward
+    op_b = host.dtensor_op_backward if tensor_parallel else host.op_backward
+    # What each DTensor collective costs beyond the collective itself (which cost/layer.py charges).
+    tp = tensor_parallel_collectives(layout.sequence_parallel) if tensor_parallel else NO_TP_COLLECTIVES
+    collective = host.tp_collective
+    wrapped = layout.dp * layout.cp > 1  # FSDP2 / replicate wrap each block and each stage model
+    hooks_f, hooks_b = (host.fsdp_unit_forward, host.fsdp_unit_backward) if wrapped else (0.0, 0.0)
+    recompute = layout.recompute != "none"
+    # The unfused element-wise traffic beyond cost/layer.py's fused kernels: this rank's tokens, its TP shard.
+    tokens = layout.micro_batch * layout.train.seq_len / (layout.cp * layout.tp)
+    per_element = env.device.element_bytes / env.device.bandwidth
+    traffic_f = ops.layer_forward_traffic * tokens * per_element
+    traffic_b = ops.layer_backward_traffic * tokens * per_element
+    traffic = PassCost(traffic_f, traffic_b, 0.0, traffic_f if recompute else 0.0, traffic_f if recompute else 0.0,
+                       0.0, 0.0, 0.0, 0.0)
+    return (layer + traffic + _host_pass(ops.layer_forward * op_f + hooks_f + tp.layer_forward * collective,
+                                         ops.layer_backward * op_b + hooks_b + tp.layer_backward * collective,
+                                         recompute),
+            embedding + _host_pass(ops.embedding_forward * op_f + tp.embedding_forward * collective,
+                                   ops.embedding_backward * op_b + tp.embedding_backward * collective, False),
+            head + _host_pass(ops.head_forward * op_f + tp.head_forward * collective,
+                              ops.head_backward * op_b + tp.head_backward * collective, False),
+            activation, transient,
+            _host_pass(ops.stage_forward * op_f + hooks_f, hooks_b, False))
+
+
+def bookkeeping_time(layout: Layout, topology: Topology, env: RankEnv, pipeline_devices: list[int]) -> float:
+    """The runtime's small collectives of every step (runtime/train.py), each rank waiting for them:
+    the gradient norm's all-reduce and the metrics table's over the world, the loss's over the pipeline
+    and the data-parallel groups."""
+    world = topology.group_link([layout.placement[r] if layout.placement else r for r in range(layout.world_size)])
+    seconds = all_reduce_time(8, world) + all_reduce_time(16 * layout.world_size, world)
+    if layout.pp > 1:
+        seconds += all_reduce_time(4, topology.group_link(pipeline_devices))
+    if layout.dp > 1:
+        seconds += all_reduce_time(4, env.replicas)
+    return seconds
+
+
 _SHAPES: dict[tuple, tuple] = {}
 
 
@@ -314,8 +388,8 @@ def _stage_list(layout: Layout, stack: SoftwareStack, envs: list[RankEnv], costs
         key = (layers, first, last, id(envs[r]), r == owners[0], hop_key)
         fields = made.get(key)
         if fields is None:
-            layer, embedding, head, activation, _ = costs_of[id(envs[r])]
-            cost = layer.scaled(layers)
+            layer, embedding, head, activation, _, per_chunk = costs_of[id(envs[r])]
+            cost = layer.scaled(layers) + per_chunk
             if first:
                 cost = cost + embedding
             if last:

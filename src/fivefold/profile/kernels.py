@@ -54,18 +54,24 @@ def median_seconds(work: Callable[[], object], device: torch.device, repeats: in
 
 
 def gemm_shapes(quick: bool) -> list[tuple[int, int, int]]:
-    """Square GEMMs of growing size plus the skinny shapes of a transformer layer (tokens x h x 4h)."""
-    squares = [128, 256, 512, 1024] if quick else [128, 256, 512, 1024, 2048, 4096]
+    """Square GEMMs of growing size plus the skinny shapes of a transformer layer (tokens x h x 4h). The
+    smallest squares give the rate of the small models' GEMMs (hidden 64-256), where the per-call cost
+    shows."""
+    squares = [32, 64, 128, 256, 512, 1024] if quick else [32, 64, 128, 256, 512, 1024, 2048, 4096]
     skinny = [(256, 1024, 256), (1024, 256, 1024)] if quick else [(512, 4096, 1024), (4096, 1024, 4096),
                                                                   (2048, 2048, 8192)]
     return [(s, s, s) for s in squares] + skinny
 
 
 def measure_gemm(device: torch.device, dtypes: list[str], quick: bool,
-                 on_point: Callable[[GemmPoint], None] | None = None) -> list[GemmPoint]:
+                 on_point: Callable[[GemmPoint], None] | None = None,
+                 line_up: Callable[[], None] = lambda: None) -> list[GemmPoint]:
+    """Every shape of gemm_shapes in every dtype; `line_up` (a barrier) starts each shape on every rank
+    at once when several ranks measure together."""
     points = []
     for dtype in dtypes:
         for m, n, k in gemm_shapes(quick):
+            line_up()
             a = torch.randn(m, k, device=device, dtype=DTYPES[dtype])
             b = torch.randn(k, n, device=device, dtype=DTYPES[dtype])
             seconds = median_seconds(lambda: torch.mm(a, b), device, repeats=3 if quick else 5,

@@ -3,6 +3,10 @@
 The file is a cluster TOML (one group: this machine, with the measured peak GEMM rates, memory bandwidth
 and link bandwidth/latency replacing the catalog defaults) plus a [profile] table holding every measured
 point, which the cost model interpolates over shapes and message sizes.
+
+On CPU every measurement runs in N worker processes at once (profile/workers.py), so the file describes
+what one of N ranks gets on this machine, including the host costs of the eager runtime (profile/host.py);
+profile each process count you train with.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import torch
 
 from fivefold.profile.collectives import CollectivePoint, measure_collectives
 from fivefold.profile.kernels import GemmPoint, measure_gemm, measure_memory_bandwidth
+from fivefold.profile.workers import measure_on_ranks
+from fivefold.spec.cluster import HostCosts
 from fivefold.spec.units import format_bandwidth, format_size, format_time
 
 
@@ -31,6 +37,8 @@ class Profile:
     memory_bytes: float  # memory one rank may use
     gemm: list[GemmPoint] = field(default_factory=list)
     collectives: list[CollectivePoint] = field(default_factory=list)
+    host_costs: HostCosts | None = None  # eager-runtime host costs (CPU)
+    threads: int = 0  # intra-op threads per rank during the GEMM / memory / host measurements (CPU)
     host: str = field(default_factory=socket.gethostname)
     date: str = field(default_factory=lambda: datetime.datetime.now().isoformat(timespec="seconds"))
 
@@ -60,6 +68,10 @@ class Profile:
             "collective": [{"collective": p.collective, "ranks": p.ranks, "message_bytes": p.message_bytes,
                             "seconds": p.seconds} for p in self.collectives],
         }
+        if self.device == "cpu":  # every rank measured at once (profile/workers.py)
+            group["calibration"].update(processes=self.processes, threads=self.threads)
+        if self.host_costs is not None:
+            group["calibration"]["host"] = self.host_costs.to_dict()
         bandwidth, latency = self.link()
         if bandwidth:
             group["nvlink"] = format_bandwidth(bandwidth)
@@ -102,22 +114,21 @@ def physical_memory_bytes() -> float:
 
 def run_profile(processes: int, quick: bool, use_cuda: bool | None = None,
                 on_step: Callable[[str, object], None] | None = None) -> Profile:
-    """Measure GEMMs and memory on one device, then collectives over `processes` local ranks."""
+    """On CPU, measure GEMMs, memory and host costs in `processes` ranks at once, then collectives; on a
+    GPU, GEMMs and memory on device 0, then collectives over `processes` local ranks."""
     use_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
-    device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
-    if not use_cuda:
-        torch.set_num_threads(1)  # one CPU worker process per rank, as `fivefold train` runs them
     report = on_step or (lambda kind, item: None)
-    dtypes = ["bf16", "fp16", "fp32"] if use_cuda else ["fp32", "bf16"]
-    if use_cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 training runs on TF32 tensor cores
-    gemm = measure_gemm(device, dtypes, quick, on_point=lambda p: report("gemm", p))
+    if not use_cuda:
+        measured = measure_on_ranks(processes, quick, use_cuda=False, compute=True, on_step=report)
+        return Profile(device="cpu", processes=processes, quick=quick, memory_bandwidth=measured.memory_bandwidth,
+                       memory_bytes=physical_memory_bytes() / max(processes, 1), gemm=measured.gemm,
+                       collectives=measured.collectives, host_costs=measured.host, threads=measured.threads)
+    device = torch.device("cuda", 0)
+    torch.backends.cuda.matmul.allow_tf32 = True  # fp32 training runs on TF32 tensor cores
+    gemm = measure_gemm(device, ["bf16", "fp16", "fp32"], quick, on_point=lambda p: report("gemm", p))
     memory_bandwidth = measure_memory_bandwidth(device, quick)
     report("memory", memory_bandwidth)
-    if use_cuda:
-        name, memory = catalog_name_of_cuda_device(), torch.cuda.get_device_properties(0).total_memory
-    else:
-        name, memory = "cpu", physical_memory_bytes() / max(processes, 1)
+    name, memory = catalog_name_of_cuda_device(), torch.cuda.get_device_properties(0).total_memory
     collectives = []
     if processes > 1:
         collectives = measure_collectives(processes, quick, use_cuda, on_point=lambda p: report("collective", p))

@@ -3,7 +3,9 @@
 Shorthand: `NODESxGPUSxDEVICE[:key=value,...]`, groups joined with `+`, e.g.
 `2x8xA100-80GB+2x8xH100-SXM:nic=400Gb/s`. `GPUSxDEVICE` means one node.
 Keys: nvlink (per-GPU intra-node bandwidth, one direction), nic (network bandwidth of one node, one
-direction), mem (device memory), nvlink_latency, nic_latency. A TOML file gives the same per group,
+direction), mem (device memory), nvlink_latency, nic_latency, speed (a factor on the device's peak FLOP/s
+and memory bandwidth, e.g. speed=0.33 for a device three times slower than its catalog entry; how the
+CPU tests describe ranks slowed down on purpose). A TOML file gives the same per group,
 plus `between_groups` (bandwidth per node between two groups) and `between_groups_latency`.
 """
 
@@ -19,7 +21,32 @@ from fivefold.spec.units import (format_bandwidth, format_size, format_time, par
                                  read_toml_file)
 
 _GROUP = re.compile(r"^(?:(\d+)x)?(\d+)x([A-Za-z0-9_.\-]+)$")
-GROUP_KEYS = ("nvlink", "nic", "mem", "nvlink_latency", "nic_latency")
+GROUP_KEYS = ("nvlink", "nic", "mem", "nvlink_latency", "nic_latency", "speed")
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """Host (CPU) seconds of fivefold's eager PyTorch runtime, measured by `fivefold profile` on CPU ranks
+    with the runtime's own model code at a negligible size (so the time is Python, module calls, the
+    dispatcher and autograd, not arithmetic). 0 = not measured."""
+
+    op_forward: float = 0.0  # per op dispatched in a forward pass
+    op_backward: float = 0.0  # per op the autograd engine runs in a backward pass
+    dtensor_op_forward: float = 0.0  # forward, tensor-parallel block (DTensor), per op of the plain block
+    dtensor_op_backward: float = 0.0  # backward, likewise
+    tp_collective: float = 0.0  # what one DTensor collective (2-rank TP) costs beyond the bare collective
+    fsdp_unit_forward: float = 0.0  # FSDP2 / replicate hooks of one wrapped module in one forward
+    fsdp_unit_backward: float = 0.0  # ... in one backward
+    fsdp_gather: float = 0.0  # what one wrapped module's parameter all-gather costs beyond the bare collective
+    fsdp_reduce: float = 0.0  # what one wrapped module's gradient reduction costs beyond the bare collective
+    optimizer_tensor: float = 0.0  # AdamW step (CPU: one tensor at a time) per plain parameter tensor
+    optimizer_dtensor: float = 0.0  # per DTensor parameter (FSDP / replicate / TP shards)
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name) for name in HOST_COST_FIELDS}
+
+
+HOST_COST_FIELDS = tuple(HostCosts.__dataclass_fields__)
 
 
 @dataclass(frozen=True)
@@ -29,12 +56,22 @@ class Calibration:
     gemm: tuple[tuple[int, int, int, str, float], ...] = ()  # (m, n, k, dtype, FLOP/s)
     collectives: tuple[tuple[str, int, int, float], ...] = ()  # (collective, ranks, message bytes, seconds)
     source: str = ""  # where and when it was measured
+    host: HostCosts | None = None  # eager-runtime host costs (CPU profiles), None = not measured
+    processes: int = 0  # ranks measuring at once (GEMMs, memory, host costs share the machine); 0 = one alone
+    threads: int = 0  # intra-op threads per rank during those measurements; 0 = not recorded
 
     def to_dict(self) -> dict:
-        return {"source": self.source,
-                "gemm": [{"m": m, "n": n, "k": k, "dtype": d, "flops_per_s": f} for m, n, k, d, f in self.gemm],
-                "collective": [{"collective": c, "ranks": r, "message_bytes": b, "seconds": t}
-                               for c, r, b, t in self.collectives]}
+        out = {"source": self.source,
+               "gemm": [{"m": m, "n": n, "k": k, "dtype": d, "flops_per_s": f} for m, n, k, d, f in self.gemm],
+               "collective": [{"collective": c, "ranks": r, "message_bytes": b, "seconds": t}
+                              for c, r, b, t in self.collectives]}
+        if self.processes:
+            out["processes"] = self.processes
+        if self.threads:
+            out["threads"] = self.threads
+        if self.host is not None:
+            out["host"] = self.host.to_dict()
+        return out
 
 
 def calibration_from_dict(data: dict, where: str) -> Calibration:
@@ -43,10 +80,22 @@ def calibration_from_dict(data: dict, where: str) -> Calibration:
                      for p in data.get("gemm", []))
         collectives = tuple((str(p["collective"]), int(p["ranks"]), int(p["message_bytes"]), float(p["seconds"]))
                             for p in data.get("collective", []))
+        processes, threads = int(data.get("processes", 0)), int(data.get("threads", 0))
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecError(f"{where}.calibration", type(exc).__name__, f"malformed measured point ({exc}); "
                         "regenerate the file with `fivefold profile`") from None
-    return Calibration(gemm, collectives, str(data.get("source", "")))
+    host = None
+    if "host" in data:
+        table = data["host"]
+        require(isinstance(table, dict), f"{where}.calibration.host", table,
+                f"write a table of {', '.join(HOST_COST_FIELDS)} (seconds)")
+        for key, value in table.items():
+            require(key in HOST_COST_FIELDS, f"{where}.calibration.host.{key}", value,
+                    f"unknown key; known: {', '.join(HOST_COST_FIELDS)}")
+            require(isinstance(value, (int, float)) and value >= 0, f"{where}.calibration.host.{key}", value,
+                    "must be a non-negative number of seconds")
+        host = HostCosts(**{key: float(value) for key, value in table.items()})
+    return Calibration(gemm, collectives, str(data.get("source", "")), host, processes, threads)
 
 
 @dataclass(frozen=True)
@@ -167,6 +216,15 @@ class ClusterSpec:
         return out
 
 
+def _parse_speed(value: object, where: str) -> float:
+    try:
+        speed = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        speed = 0.0
+    require(speed > 0, where, value, "write a positive factor on peak FLOP/s and memory bandwidth, e.g. 0.5")
+    return speed
+
+
 def _make_group(nodes: int, gpus: int, device: DeviceSpec, settings: dict, where: str) -> NodeGroup:
     require(nodes > 0, f"{where}.nodes", nodes, "must be a positive integer")
     require(gpus > 0, f"{where}.gpus_per_node", gpus, "must be a positive integer")
@@ -180,6 +238,10 @@ def _make_group(nodes: int, gpus: int, device: DeviceSpec, settings: dict, where
         require(isinstance(table, dict) and all(isinstance(v, (int, float)) and v > 0 for v in table.values()),
                 f"{where}.peak_tflops", table, "write a table of dtype = positive TFLOP/s")
         changes["peak_flops"] = {k: float(v) * 1e12 for k, v in table.items()}
+    if "speed" in settings:
+        speed = _parse_speed(settings["speed"], f"{where}.speed")
+        changes["peak_flops"] = {k: v * speed for k, v in changes.get("peak_flops", device.peak_flops).items()}
+        changes["memory_bandwidth"] = changes.get("memory_bandwidth", device.memory_bandwidth) * speed
     if changes:
         device = device.with_overrides(**changes)
     return NodeGroup(

@@ -1,0 +1,208 @@
+"""Host costs of fivefold's eager PyTorch runtime on CPU ranks: what a step spends in Python, module
+calls, the dispatcher, autograd, the FSDP2 and DTensor machinery and the one-tensor-at-a-time AdamW, apart
+from arithmetic.
+
+Everything is timed on the runtime's own code (fivefold.models, runtime/parallelize.py, runtime/optim.py)
+at a negligible size (hidden 32, 8 tokens), so what is left is the per-op cost, not the work:
+- op_forward / op_backward: a forward (with the runtime's loss) and a backward of a 2-layer Llama-style
+  model, divided by the aten ops it dispatches (counted with a TorchDispatchMode, once, untimed);
+- dtensor_op_*: the same model tensor-parallel (DTensor, sequence parallel) on a 1-rank mesh, divided by
+  the plain model's op count: what DTensor's dispatch adds to every op, without any communication;
+- tp_collective: the tensor-parallel model over 2 ranks, less the 1-rank one, per collective it issues,
+  less a bare all-gather of the same size: what a DTensor collective costs beyond the collective;
+- fsdp_unit_*: the model under fully_shard (the runtime's wrapping: each block and the root) with
+  gradient sync off and the weights kept gathered, minus the plain model, per wrapped module: the hooks;
+- fsdp_gather / fsdp_reduce: what FSDP's default (gather before every forward, reduce-scatter after every
+  backward) over all N ranks adds to that, per wrapped module, less a bare all-gather / reduce-scatter of
+  the same size: FSDP's own cost around each collective (the collective itself is in the curves);
+- optimizer_tensor / optimizer_dtensor: the runtime's AdamW step and zero_grad per parameter tensor,
+  plain and with FSDP's DTensor parameters.
+The caller runs this in every rank at once, so each measures what it gets while the others work too.
+Loops that issue collectives run the same number of times on every rank (`agree`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fivefold.spec import ModelSpec
+from fivefold.spec.cluster import HostCosts
+
+# The runtime's default family (RoPE, RMSNorm, SwiGLU, grouped-query attention) at a negligible size.
+PROBE_MODEL = ModelSpec(name="host-probe", layers=2, hidden=32, heads=4, kv_heads=2, ffn_hidden=32, vocab=16,
+                        max_seq_len=16)
+PROBE_TOKENS = (1, 8)  # batch, sequence
+COLLECTIVE_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the aten ops, and among them the functional collectives, dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = self.collectives = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        name = str(func)
+        self.collectives += "_c10d_functional" in name and any(op in name for op in COLLECTIVE_OPS)
+        return func(*args, **(kwargs or {}))
+
+
+def _probe(mode: str, mesh) -> torch.nn.Module:
+    from fivefold.models import build_model, init_weights
+    from fivefold.runtime.parallelize import apply_data_parallel, apply_tensor_parallel
+
+    model = build_model(PROBE_MODEL, device="meta")
+    if mode == "tp":
+        apply_tensor_parallel(model, mesh, sequence_parallel=True)
+    elif mode == "fsdp":
+        apply_data_parallel(model, mesh, zero=1, param_dtype=None)
+    model.to_empty(device="cpu")
+    init_weights(model, 0)
+    return model
+
+
+def _loss(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    logits = model(inputs[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), inputs[:, 1:].flatten(),
+                                             reduction="sum") / inputs.numel()
+
+
+class _Timer:
+    """Median of `repeats` batches of about `seconds` each; the loop count is agreed by every rank."""
+
+    def __init__(self, seconds: float, repeats: int, agree: Callable[[int], int]) -> None:
+        self.seconds, self.repeats, self.agree = seconds, repeats, agree
+
+    def loops(self, once: float) -> int:
+        return self.agree(max(1, int(self.seconds / max(once, 1e-7))))
+
+    def passes(self, model: torch.nn.Module, inputs: torch.Tensor) -> tuple[float, float]:
+        """(forward, backward) seconds of one pass of `model`."""
+        start = time.perf_counter()
+        _loss(model, inputs).backward()  # warm-up: lazy init, first-call caches
+        count = self.loops(time.perf_counter() - start)
+        forwards, backwards = [], []
+        for _ in range(self.repeats):
+            forward = backward = 0.0
+            for _ in range(count):
+                begin = time.perf_counter()
+                loss = _loss(model, inputs)
+                middle = time.perf_counter()
+                loss.backward()
+                forward += middle - begin
+                backward += time.perf_counter() - middle
+            forwards.append(forward / count)
+            backwards.append(backward / count)
+        return statistics.median(forwards), statistics.median(backwards)
+
+    def call(self, work: Callable[[], object]) -> float:
+        """Seconds of one call of `work`."""
+        start = time.perf_counter()
+        work()
+        count = self.loops(time.perf_counter() - start)
+        samples = []
+        for _ in range(self.repeats):
+            begin = time.perf_counter()
+            for _ in range(count):
+                work()
+            samples.append((time.perf_counter() - begin) / count)
+        return statistics.median(samples)
+
+
+def _count_ops(model: torch.nn.Module, inputs: torch.Tensor) -> tuple[_CountOps, _CountOps]:
+    forward, backward = _CountOps(), _CountOps()
+    with forward:
+        loss = _loss(model, inputs)
+    with backward:
+        loss.backward()
+    return forward, backward
+
+
+def _optimizer_seconds(model: torch.nn.Module, inputs: torch.Tensor, timer: _Timer) -> float:
+    """AdamW step + zero_grad (as the runtime runs them) per parameter tensor."""
+    from fivefold.runtime.optim import build_optimizer
+
+    params = list(model.parameters())
+    optimizer = build_optimizer(params, 1e-3)
+    _loss(model, inputs).backward()
+    grads = [p.grad for p in params]
+
+    def step() -> None:
+        for param, grad in zip(params, grads):
+            param.grad = grad
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return timer.call(step) / len(params)
+
+
+def _bare_collective(kind: str, group, elements: int, timer: _Timer) -> float:
+    """One all-gather of `elements` per rank, or one reduce-scatter to that, over `group`."""
+    ranks = dist.get_world_size(group)
+    shard, full = torch.ones(elements), torch.ones(elements * ranks)
+    if kind == "all_gather":
+        return timer.call(lambda: dist.all_gather_single(full, shard, group=group))
+    return timer.call(lambda: dist.reduce_scatter_single(shard, full, group=group))
+
+
+def measure_host_costs(alone_mesh, quick: bool, world_mesh=None, pair_mesh=None,
+                       line_up: Callable[[], None] = lambda: None,
+                       agree: Callable[[int], int] = lambda count: count) -> HostCosts:
+    """HostCosts of this process. `alone_mesh`: a 1-rank DeviceMesh (this rank alone); `world_mesh`: all
+    N ranks (None for one); `pair_mesh`: a 2-rank mesh for tensor parallelism (None without one);
+    `line_up` a barrier so that every rank measures the same thing at the same time, `agree` the loop
+    count every rank uses (rank 0's)."""
+    timer = _Timer(*((0.05, 3) if quick else (0.2, 5)), agree)
+    inputs = torch.randint(0, PROBE_MODEL.vocab, (PROBE_TOKENS[0], PROBE_TOKENS[1] + 1))
+    plain = _probe("plain", alone_mesh)
+    forward_ops, backward_ops = (count.ops for count in _count_ops(plain, inputs))
+    line_up()
+    forward, backward = timer.passes(plain, inputs)
+    line_up()
+    optimizer_tensor = _optimizer_seconds(plain, inputs, timer)
+    tensor_parallel = _probe("tp", alone_mesh)
+    line_up()
+    tp_forward, tp_backward = timer.passes(tensor_parallel, inputs)
+    tp_collective = 0.0
+    if pair_mesh is not None:
+        paired = _probe("tp", pair_mesh)
+        collectives = sum(count.collectives for count in _count_ops(paired, inputs))
+        line_up()
+        pair_forward, pair_backward = timer.passes(paired, inputs)
+        line_up()
+        bare = _bare_collective("all_gather", pair_mesh.get_group(), PROBE_TOKENS[1] * PROBE_MODEL.hidden // 2, timer)
+        tp_collective = max(0.0, (pair_forward + pair_backward - tp_forward - tp_backward) / collectives - bare)
+    units = PROBE_MODEL.layers + 1  # each block and the root, as runtime/parallelize.py wraps them
+    sharded = _probe("fsdp", world_mesh if world_mesh is not None else alone_mesh)
+    line_up()
+    gathering_forward, reducing_backward = timer.passes(sharded, inputs)
+    line_up()
+    optimizer_dtensor = _optimizer_seconds(sharded, inputs, timer)
+    sharded.set_requires_gradient_sync(False)
+    sharded.set_reshard_after_backward(False)
+    line_up()
+    hooks_forward, hooks_backward = timer.passes(sharded, inputs)
+    bare_gather = bare_reduce = 0.0
+    if world_mesh is not None:
+        shard = PROBE_MODEL.params_per_layer() // world_mesh.size()
+        line_up()
+        bare_gather = _bare_collective("all_gather", world_mesh.get_group(), shard, timer)
+        line_up()
+        bare_reduce = _bare_collective("reduce_scatter", world_mesh.get_group(), shard, timer)
+    return HostCosts(
+        op_forward=forward / forward_ops, op_backward=backward / backward_ops,
+        dtensor_op_forward=tp_forward / forward_ops, dtensor_op_backward=tp_backward / backward_ops,
+        tp_collective=tp_collective,
+        fsdp_unit_forward=max(0.0, hooks_forward - forward) / units,
+        fsdp_unit_backward=max(0.0, hooks_backward - backward) / units,
+        fsdp_gather=max(0.0, (gathering_forward - hooks_forward) / units - bare_gather),
+        fsdp_reduce=max(0.0, (reducing_backward - hooks_backward) / units - bare_reduce),
+        optimizer_tensor=optimizer_tensor, optimizer_dtensor=optimizer_dtensor)

@@ -1,0 +1,130 @@
+"""Measurements made by N local worker processes at once, the way `fivefold train` runs N ranks.
+
+On CPU, N ranks share the machine's cores: a rank's GEMM rate, memory bandwidth and host costs are what
+it gets while the other N-1 work too, with the intra-op threads the launcher gives each worker
+(runtime/launch.py: OMP_NUM_THREADS when set, else cores // N). So every rank runs the same
+measurement at the same time (a barrier before each), and rank 0 reports. On GPUs each rank has its own
+device and only the collectives are measured here (run.py times the GEMMs on one GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fivefold.profile.collectives import CollectivePoint, agree_with_rank0, measure_collectives_here
+from fivefold.profile.kernels import GemmPoint, measure_gemm, measure_memory_bandwidth
+from fivefold.spec.cluster import HostCosts
+
+CPU_DTYPES = ["fp32", "bf16"]
+
+
+def threads_per_rank(ranks: int) -> int:
+    """Intra-op threads of each of `ranks` CPU workers: the launcher's rule (runtime/launch.py)."""
+    return int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // ranks))
+
+
+@dataclass
+class RankMeasurements:
+    """What rank 0 measured while every rank measured the same."""
+
+    ranks: int
+    threads: int  # intra-op threads per rank (CPU)
+    gemm: list[GemmPoint] = field(default_factory=list)
+    memory_bandwidth: float = 0.0  # bytes/s, STREAM copy; 0 when not measured here
+    host: HostCosts | None = None
+    collectives: list[CollectivePoint] = field(default_factory=list)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _worker(rank: int, ranks: int, port: int, quick: bool, use_cuda: bool, compute: bool, threads: int,
+            results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=ranks)
+
+    def emit(kind: str, item: object) -> None:
+        if rank == 0:
+            results.put((kind, item))
+
+    try:
+        if compute and not use_cuda:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from fivefold.profile.host import measure_host_costs
+
+            # A 1-rank mesh per rank (DTensor and FSDP2 machinery without communication), all N ranks, and
+            # pairs of ranks for 2-way tensor parallelism.
+            grid = init_device_mesh("cpu", (ranks, 1), mesh_dim_names=("world", "alone"))
+            pairs = init_device_mesh("cpu", (ranks // 2, 2), mesh_dim_names=("pairs", "pair"))["pair"] \
+                if ranks % 2 == 0 else None
+            measure_gemm(device, CPU_DTYPES, quick, on_point=lambda p: emit("gemm", p), line_up=dist.barrier)
+            dist.barrier()
+            emit("memory", measure_memory_bandwidth(device, quick))
+            emit("host", measure_host_costs(grid["alone"], quick, grid["world"] if ranks > 1 else None, pairs,
+                                            line_up=dist.barrier,
+                                            agree=lambda count: agree_with_rank0(count, device)))
+        if ranks > 1:
+            dist.barrier()
+            measure_collectives_here(rank, ranks, quick, device, lambda p: emit("collective", p))
+    finally:
+        dist.destroy_process_group()
+        if rank == 0:
+            results.put(None)
+
+
+def measure_on_ranks(ranks: int, quick: bool, use_cuda: bool, compute: bool = True,
+                     on_step: Callable[[str, object], None] | None = None) -> RankMeasurements:
+    """Spawn `ranks` local processes; on CPU (with `compute`) time GEMMs, memory and host costs on all of
+    them at once, then (ranks > 1) every collective. `on_step(kind, item)` sees each result as it comes."""
+    threads = threads_per_rank(ranks) if not use_cuda else 1
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    processes = [context.Process(target=_worker, args=(r, ranks, port, quick, use_cuda, compute, threads, results),
+                                 daemon=True) for r in range(ranks)]
+    for process in processes:
+        process.start()
+    out = RankMeasurements(ranks, threads)
+    while True:
+        try:
+            item = results.get(timeout=2)
+        except queue.Empty:
+            dead = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+            if dead:
+                for process in processes:
+                    process.kill()
+                raise RuntimeError(f"a measurement process failed (exit codes {dead})") from None
+            continue
+        if item is None:
+            break
+        kind, value = item
+        if kind == "gemm":
+            out.gemm.append(value)
+        elif kind == "memory":
+            out.memory_bandwidth = value
+        elif kind == "host":
+            out.host = value
+        else:
+            out.collectives.append(value)
+        if on_step and kind != "host":  # the CLI's progress knows gemm, memory and collective steps
+            on_step(kind, value)
+    for process in processes:
+        process.join(timeout=60)
+    failed = [p.exitcode for p in processes if p.exitcode not in (0, None)]
+    if failed:
+        raise RuntimeError(f"a measurement process failed (exit codes {failed})")
+    return out

@@ -1,0 +1,310 @@
+"""Host costs of the eager runtime on a profiled CPU (Calibration.host): they round-trip through cluster
+and plan files, the op and tensor counts match the runtime's own modules, and each cost term adds exactly
+the hand-computed seconds to an estimate with the `fivefold` stack, and nothing without a profile."""
+
+import dataclasses
+
+import pytest
+
+from fivefold.cost import estimate
+from fivefold.cost.dataparallel import parameter_tensors
+from fivefold.cost.stack import STACKS, eager_ops
+from fivefold.errors import SpecError
+from fivefold.spec import PRESETS, ModelSpec, Plan, TrainSpec, load_plan, parse_cluster
+from fivefold.spec.cluster import Calibration, ClusterSpec, HostCosts
+
+HOST = HostCosts(op_forward=5e-6, op_backward=7e-6, dtensor_op_forward=50e-6, dtensor_op_backward=40e-6,
+                 tp_collective=400e-6,
+                 fsdp_unit_forward=300e-6, fsdp_unit_backward=200e-6, fsdp_gather=100e-6, fsdp_reduce=20e-6,
+                 optimizer_tensor=30e-6, optimizer_dtensor=150e-6)
+GEMMS = ((64, 64, 64, "fp32", 3e10), (512, 512, 512, "fp32", 8e10))
+FIVEFOLD = STACKS["fivefold"]
+# What the fivefold stack becomes on host-profiled CPU ranks, without charging the host costs.
+NO_HOST = dataclasses.replace(STACKS["fivefold-cpu"], eager_host_costs=False)
+
+
+def cpu_cluster(ranks: int, host: HostCosts | None = HOST) -> ClusterSpec:
+    spec = parse_cluster(f"1x{ranks}xcpu")
+    calibration = Calibration(GEMMS, (), "test", host, ranks, 1)
+    return ClusterSpec((dataclasses.replace(spec.groups[0], calibration=calibration),))
+
+
+def test_host_costs_round_trip_through_cluster_and_plan_files(tmp_path):
+    path = tmp_path / "cluster.toml"
+    path.write_text("""
+[[cluster.group]]
+nodes = 1
+gpus_per_node = 2
+device = "cpu"
+[cluster.group.calibration]
+source = "test"
+processes = 2
+threads = 1
+gemm = [{m = 64, n = 64, k = 64, dtype = "fp32", flops_per_s = 3e10}]
+[cluster.group.calibration.host]
+op_forward = 5e-6
+optimizer_dtensor = 1.5e-4
+""")
+    calibration = parse_cluster(str(path)).groups[0].calibration
+    assert calibration.host == HostCosts(op_forward=5e-6, optimizer_dtensor=1.5e-4)
+    assert (calibration.processes, calibration.threads) == (2, 1)
+    plan = Plan(model=PRESETS["tiny"], cluster=cpu_cluster(2), train=TrainSpec(global_batch=4, dtype="fp32"), dp=2)
+    plan.save(tmp_path / "plan.toml")
+    loaded = load_plan(tmp_path / "plan.toml")
+    assert loaded == plan and loaded.cluster.groups[0].calibration.host == HOST
+    # A file without host costs reads as before: no host costs, nothing recorded about the processes.
+    assert Calibration(GEMMS).to_dict().keys() == {"source", "gemm", "collective"}
+
+
+@pytest.mark.parametrize("bad, field", [("op_forwrd = 1e-6", "calibration.host.op_forwrd"),
+                                        ("op_forward = -1e-6", "calibration.host.op_forward"),
+                                        ('op_forward = "fast"', "calibration.host.op_forward")])
+def test_a_bad_host_cost_names_its_field(tmp_path, bad, field):
+    path = tmp_path / "cluster.toml"
+    path.write_text(f'[[cluster.group]]\ndevice = "cpu"\n[cluster.group.calibration.host]\n{bad}\n')
+    with pytest.raises(SpecError, match=field.replace(".", r"\.")):
+        parse_cluster(str(path))
+
+
+VARIANTS = {
+    "tiny": PRESETS["tiny"],
+    "tiny-gpt": PRESETS["tiny-gpt"],
+    "small": PRESETS["small"],
+    "llama-mha": dataclasses.replace(PRESETS["tiny"], kv_heads=4),
+    "learned-rmsnorm": dataclasses.replace(PRESETS["tiny"], position="learned", kv_heads=4),
+    "gpt-tied": dataclasses.replace(PRESETS["tiny-gpt"], tied_embeddings=True),
+}
+
+
+def _dispatched_ops(spec: ModelSpec, layers: int, first: bool, last: bool) -> tuple[int, int]:
+    """(forward, backward) aten ops of a stage model of the runtime with its loss, counted by torch."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fivefold.models import build_model, init_weights
+    from fivefold.runtime.train import TokenCrossEntropy
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    model = build_model(dataclasses.replace(spec, layers=layers), device="cpu")
+    init_weights(model, 0)
+    if not first:
+        model.tok_embeddings = model.pos_embeddings = None
+    if not last:
+        model.norm = model.output = None
+    tokens = torch.randint(0, spec.vocab, (2, 9))
+    inputs = tokens[:, :-1] if first else torch.randn(2, 8, spec.hidden, requires_grad=True)
+    out = model(inputs)  # untimed warm-up
+    forward, backward = Count(), Count()
+    with forward:
+        out = model(inputs)
+        loss = TokenCrossEntropy(16)(out, tokens[:, 1:]) if last else out.sum()
+    with backward:
+        loss.backward()
+    return forward.ops, backward.ops
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_eager_op_counts_match_the_runtime_modules(name):
+    spec = VARIANTS[name]
+    ops = eager_ops(spec)
+    one, two = _dispatched_ops(spec, 1, True, True), _dispatched_ops(spec, 2, True, True)
+    assert (two[0] - one[0], two[1] - one[1]) == (ops.layer_forward, ops.layer_backward)
+    ends = (ops.stage_forward + ops.embedding_forward + ops.head_forward, ops.embedding_backward + ops.head_backward)
+    assert (2 * one[0] - two[0], 2 * one[1] - two[1]) == ends
+    # A last stage alone: its position ids, the head and the loss (the input's gradient is no op).
+    last = _dispatched_ops(spec, 1, False, True)
+    assert (last[0] - ops.layer_forward, last[1] - ops.layer_backward) == (
+        ops.stage_forward + ops.head_forward, ops.head_backward)
+
+
+def _elementwise_traffic(spec: ModelSpec, layers: int, tokens: int) -> tuple[float, float]:
+    """(forward, backward) elements read and written by the element-wise ops of the runtime's model (every
+    op but views, matmuls, attention and embedding lookups), counted by torch."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from fivefold.models import build_model, init_weights
+    from fivefold.runtime.train import TokenCrossEntropy
+
+    own_terms = ("aten.mm.", "aten.addmm.", "aten.bmm.", "scaled_dot_product", "aten.embedding")
+
+    class Traffic(TorchDispatchMode):
+        elements = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            view = any(r.alias_info is not None for r in func._schema.returns) and not str(func).endswith("_")
+            if not view and not any(term in str(func) for term in own_terms):
+                self.elements += sum(t.numel() for t in tree_flatten((args, kwargs, out))[0]
+                                     if isinstance(t, torch.Tensor))
+            return out
+
+    model = build_model(dataclasses.replace(spec, layers=layers), device="cpu")
+    init_weights(model, 0)
+    batch = torch.randint(0, spec.vocab, (tokens // 64, 65))
+    forward, backward = Traffic(), Traffic()
+    with forward:
+        loss = TokenCrossEntropy(tokens)(model(batch[:, :-1]), batch[:, 1:])
+    with backward:
+        loss.backward()
+    return forward.elements, backward.elements
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "llama-mha", "tiny-gpt"])
+def test_unfused_traffic_is_what_the_runtime_moves_beyond_the_fused_kernels(name):
+    """Per token and layer, the runtime's element-wise ops move the fused kernels' elements that cost/layer.py
+    charges (Llama: 12h + 3f + 2kv forward, 10h + 5f + 2kv backward; GPT: 10h + 2f, 8h + 3f) plus the
+    stack's unfused traffic, within 5%."""
+    spec = dataclasses.replace(VARIANTS[name], max_seq_len=64)
+    h, f, kv = spec.hidden, spec.ffn_hidden, spec.kv_heads * spec.head_dim
+    fused = (12 * h + 3 * f + 2 * kv, 10 * h + 5 * f + 2 * kv) if spec.position == "rope" else (10 * h + 2 * f,
+                                                                                                8 * h + 3 * f)
+    ops = eager_ops(spec)
+    one, two = _elementwise_traffic(spec, 1, 512), _elementwise_traffic(spec, 2, 512)
+    per_layer = [(b - a) / 512 for a, b in zip(one, two)]
+    assert per_layer[0] == pytest.approx(fused[0] + ops.layer_forward_traffic, rel=0.05)
+    assert per_layer[1] == pytest.approx(fused[1] + ops.layer_backward_traffic, rel=0.05)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_parameter_tensors_match_the_runtime_modules(name):
+    from fivefold.models import build_model
+
+    spec = VARIANTS[name]
+    model = build_model(spec, device="meta")
+    assert parameter_tensors(spec, spec.layers, True, True) == len(list(model.parameters()))
+    model.norm = model.output = None
+    assert parameter_tensors(spec, spec.layers, True, False) == len(list(model.parameters()))
+
+
+def _plan(ranks: int, host: HostCosts | None = HOST, **layout) -> Plan:
+    return Plan(model=PRESETS["tiny"], cluster=cpu_cluster(ranks, host), train=TrainSpec(global_batch=8, dtype="fp32"),
+                **layout)
+
+
+# Unfused element-wise traffic of a tiny block (h 64, f 128, kv 32) beyond the fused kernels, elements
+# per token: 32h + 6f + 5kv forward, 72h + 4f backward; fp32 through the catalog cpu's 20 GB/s (taken as
+# achieved on a host-profiled CPU), per token.
+TRAFFIC_F = (32 * 64 + 6 * 128 + 5 * 32) * 4 / 20e9
+TRAFFIC_B = (72 * 64 + 4 * 128) * 4 / 20e9
+
+
+def test_each_pass_adds_its_eager_ops_times_the_seconds_per_op():
+    plan = _plan(1, micro_batch=2)
+    ops = eager_ops(plan.model)
+    charged, plain = estimate(plan, FIVEFOLD), estimate(plan, NO_HOST)
+    layers, tokens = plan.model.layers, 2 * 128
+    forward_ops = layers * ops.layer_forward + ops.embedding_forward + ops.head_forward + ops.stage_forward
+    backward_ops = layers * ops.layer_backward + ops.embedding_backward + ops.head_backward
+    stage, base = charged.stage_costs[0], plain.stage_costs[0]
+    forward = forward_ops * 5e-6 + layers * tokens * TRAFFIC_F
+    backward = backward_ops * 7e-6 + layers * tokens * TRAFFIC_B
+    assert stage.forward - base.forward == pytest.approx(forward, rel=1e-9)
+    assert stage.backward_input - base.backward_input == pytest.approx(backward, rel=1e-9)
+    assert stage.backward_weight == base.backward_weight
+    assert stage.host_overhead - base.host_overhead == pytest.approx(forward_ops * 5e-6 + backward_ops * 7e-6)
+    # Four micro-batches, one rank, nothing else: the step grows by four such passes, plus AdamW's
+    # per-tensor cost (plain tensors: one process, no DTensor).
+    tensors = parameter_tensors(plan.model, layers, True, True)
+    assert charged.step_time_s - plain.step_time_s == pytest.approx(4 * (forward + backward) + tensors * 30e-6,
+                                                                    rel=1e-9)
+    assert charged.optimizer_s - plain.optimizer_s == pytest.approx(tensors * 30e-6, rel=1e-9)
+    # Larger micro-batches pay the per-op cost fewer times: the host term favours them.
+    assert estimate(_plan(1, micro_batch=8), FIVEFOLD).step_time_s < charged.step_time_s
+
+
+def test_data_parallel_adds_fsdp_hooks_gathers_reductions_and_dtensor_adam():
+    plan = _plan(2, dp=2, zero=1, micro_batch=2)  # 2 micro-batches per replica
+    layers, units = plan.model.layers, plan.model.layers + 1  # each block and the stage model are wrapped
+    charged, plain = estimate(plan, FIVEFOLD), estimate(plan, NO_HOST)
+    ops = eager_ops(plan.model)
+    stage, base = charged.stage_costs[0], plain.stage_costs[0]
+    forward_ops = layers * ops.layer_forward + ops.embedding_forward + ops.head_forward + ops.stage_forward
+    assert stage.forward - base.forward == pytest.approx(
+        forward_ops * 5e-6 + units * 300e-6 + layers * 2 * 128 * TRAFFIC_F, rel=1e-9)
+    # ZeRO-1: each wrapped module gathers once and reduces once per step; and the runtime's three small
+    # all-reduces of every step (gradient norm: 8 bytes, metrics: 2 ranks x 16, loss over dp: 4) on the
+    # catalog cpu link: ring over 2 ranks, 2 (n-1) x 50 us + 2 (n-1)/n x bytes / (0.8 x 5 GB/s).
+    bookkeeping = 3 * 100e-6 + (8 + 32 + 4) / 4e9
+    assert charged.dp_comm_exposed_s - plain.dp_comm_exposed_s == pytest.approx(
+        units * (100e-6 + 20e-6) + bookkeeping, rel=1e-6)
+    tensors = parameter_tensors(plan.model, layers, True, True)
+    assert charged.optimizer_s - plain.optimizer_s == pytest.approx(tensors * 150e-6, rel=1e-9)
+    # ZeRO-3 gathers before every forward and every backward: 2 x 2 micro-batches.
+    zero3 = _plan(2, dp=2, zero=3, micro_batch=2)
+    extra = estimate(zero3, FIVEFOLD).dp_comm_exposed_s - estimate(zero3, NO_HOST).dp_comm_exposed_s
+    assert extra == pytest.approx(units * (4 * 100e-6 + 2 * 20e-6) + bookkeeping, rel=1e-6)
+
+
+def test_on_cpu_ranks_fsdp_collectives_go_module_by_module_and_hide_under_nothing():
+    plan = _plan(2, dp=2, zero=1, micro_batch=4)
+    assert estimate(plan, FIVEFOLD).stack == "fivefold-cpu"
+    assert estimate(_plan(2, None, dp=2, zero=1, micro_batch=4), FIVEFOLD).stack == "fivefold"
+    plain = estimate(plan, NO_HOST)
+    # Each of the 5 wrapped modules (4 blocks, the model) reduce-scatters and all-gathers its fifth of the
+    # fp32 parameters on the catalog cpu link: (n-1) x 50 us + (n-1)/n x bytes / (0.8 x 5 GB/s), n = 2.
+    piece = PRESETS["tiny"].num_params() / 5 * 4
+    one = 50e-6 + 0.5 * piece / 4e9
+    assert plain.dp_comm_s == pytest.approx(5 * one * 2, rel=1e-9)
+    # Not overlapped: the first forward waits for every gather, the step for every reduction.
+    assert plain.dp_comm_exposed_s == pytest.approx(plain.dp_comm_s, rel=1e-9)
+
+
+def test_tensor_parallel_passes_pay_dtensor_dispatch():
+    plan = _plan(2, tp=2, sequence_parallel=True, micro_batch=8)
+    ops = eager_ops(plan.model)
+    charged, plain = estimate(plan, FIVEFOLD), estimate(plan, NO_HOST)
+    forward_ops = plan.model.layers * ops.layer_forward + ops.embedding_forward + ops.head_forward + ops.stage_forward
+    # Each TP rank moves half of the unfused traffic of its 8 x 128 tokens; with sequence parallelism
+    # every block all-gathers and reduce-scatters around attention and MLP (4 collectives), the embedding
+    # reduce-scatters its output (1), the head gathers its input and the logits (2), at 400 us each beyond
+    # the collectives themselves.
+    traffic = plan.model.layers * 8 * 128 / 2 * TRAFFIC_F
+    collectives = 4 * plan.model.layers + 1 + 2
+    assert charged.stage_costs[0].forward - plain.stage_costs[0].forward == pytest.approx(
+        forward_ops * 50e-6 + traffic + collectives * 400e-6, rel=1e-9)
+    # Without sequence parallelism: 2 all-reduces per block forward, 5 backward (q, k, v and w1, w3's input
+    # gradients each on its own), the embedding's 1 forward, the head's logits gather 1 and 1 backward.
+    plain_tp = _plan(2, tp=2, sequence_parallel=False, micro_batch=8)
+    backward_ops = plan.model.layers * ops.layer_backward + ops.embedding_backward + ops.head_backward
+    extra = (estimate(plain_tp, FIVEFOLD).stage_costs[0].backward_input
+             - estimate(plain_tp, NO_HOST).stage_costs[0].backward_input)
+    assert extra == pytest.approx(backward_ops * 40e-6 + plan.model.layers * 8 * 128 / 2 * TRAFFIC_B
+                                  + (5 * plan.model.layers + 0 + 1) * 400e-6, rel=1e-9)
+
+
+def test_pipeline_stages_pay_their_own_ends():
+    plan = _plan(2, pp=2, schedule="1f1b", micro_batch=2)
+    ops = eager_ops(plan.model)
+    charged, plain = estimate(plan, FIVEFOLD), estimate(plan, NO_HOST)
+    first, last = (c.forward - p.forward for c, p in zip(charged.stage_costs, plain.stage_costs))
+    traffic = 2 * 2 * 128 * TRAFFIC_F  # two layers of 2 x 128 tokens
+    assert first == pytest.approx((2 * ops.layer_forward + ops.embedding_forward + ops.stage_forward) * 5e-6 + traffic)
+    assert last == pytest.approx((2 * ops.layer_forward + ops.head_forward + ops.stage_forward) * 5e-6 + traffic)
+
+
+def test_without_host_costs_nothing_changes():
+    """A profile without host costs (a GPU, or an older file): the eager stack charges nothing; on a
+    host-profiled CPU the other stacks charge no host costs either."""
+    with_host, without = _plan(2, dp=2, zero=1), _plan(2, None, dp=2, zero=1)
+    not_eager = dataclasses.replace(FIVEFOLD, eager_host_costs=False)
+    assert estimate(without, FIVEFOLD).to_dict() == estimate(without, not_eager).to_dict()
+    # ZeRO-1 over 2 replicas: AdamW sweeps half the parameters at 36 bytes each through the measured
+    # bandwidth (the catalog cpu's 20 GB/s here), with no per-tensor cost for a stack that is not eager.
+    half = PRESETS["tiny"].num_params() / 2
+    for name in ("modern", "megatron-core", "megatron-lm-2022"):
+        assert estimate(with_host, STACKS[name]).optimizer_s == pytest.approx(half * 36 / 20e9, rel=1e-9)
+    # The host-profiled CPU takes the measured memory bandwidth as achieved and adds no kernel latency.
+    from fivefold.cost.compute import Device
+
+    calibrated = Device(with_host.cluster.groups[0].device, "fp32", with_host.cluster.groups[0].calibration)
+    catalog = Device(without.cluster.groups[0].device, "fp32", without.cluster.groups[0].calibration)
+    assert calibrated.latency == 0.0 and catalog.latency == 20e-6
+    assert calibrated.bandwidth == pytest.approx(20e9) and catalog.bandwidth == pytest.approx(0.6 * 20e9)
