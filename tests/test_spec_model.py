@@ -15,6 +15,33 @@ def test_presets_have_published_sizes():
         assert PRESETS[name].num_params() / 1e9 == pytest.approx(billions, rel=0.01), name
 
 
+def test_moe_presets_have_published_total_and_active_sizes():
+    # Total / active parameters as the model cards state them: Mixtral 46.7B/12.9B, Qwen3 30.5B/3.3B and
+    # 235B/22B, gpt-oss-120b 116.8B total.
+    expected = {"mixtral-8x7b": (46.70, 12.9), "qwen3-30b-a3b": (30.5, 3.3), "qwen3-235b-a22b": (235.1, 22.2)}
+    for name, (total, active) in expected.items():
+        model = PRESETS[name]
+        assert model.num_params() / 1e9 == pytest.approx(total, rel=0.01), name
+        assert model.active_params_per_token() / 1e9 == pytest.approx(active, rel=0.02), name
+    assert PRESETS["gpt-oss-120b"].num_params() / 1e9 == pytest.approx(116.8, rel=0.01)
+    qwen = PRESETS["qwen3-30b-a3b"]
+    assert (qwen.head_dim, qwen.qk_norm, qwen.heads * qwen.head_dim, qwen.hidden) == (128, True, 4096, 2048)
+    tiny = PRESETS["tiny-moe"]
+    assert (tiny.layers, tiny.hidden, tiny.experts, tiny.top_k, tiny.moe_layers) == (4, 64, 4, 2, 4)
+
+
+def test_moe_layer_selection_and_head_dim_default():
+    model = ModelSpec(layers=6, hidden=64, heads=4, experts=4, top_k=2, first_dense_layers=1, moe_every=2)
+    assert [model.is_moe_layer(i) for i in range(6)] == [False, True, False, True, False, True]
+    dense, moe = model.params_per_layer(False), model.params_per_layer(True)
+    assert model.layer_params_total() == 3 * dense + 3 * moe
+    assert ModelSpec(layers=2, hidden=64, heads=4).head_dim == 16
+    wide = parse_model("layers=2,hidden=64,heads=4,head_dim=32,qk_norm=true")
+    assert wide.head_dim == 32 and wide.params_per_layer() == ModelSpec(layers=2, hidden=64, heads=4).params_per_layer() \
+        + 4 * 64 * (128 - 64) + 2 * 32  # q, k, v, o twice as wide, plus the two per-head norms
+    assert parse_model("preset=tiny,hidden=128").head_dim == 32  # derived head_dim follows hidden
+
+
 def test_tiny_and_small_are_cpu_sized():
     assert PRESETS["tiny"].num_params() < 1_000_000
     assert PRESETS["small"].num_params() < 20_000_000
@@ -64,6 +91,14 @@ def test_changing_hidden_recomputes_derived_width():
     ("layers=2,hidden=64,heads=4,experts=4,top_k=5", "model.top_k", "between 1 and experts=4"),
     ("layers=2,hidden=64,heads=4,top_k=2", "model.top_k", "only MoE"),
     ("layers=2,hidden=60,heads=4", "model.hidden", "even head size"),
+    ("layers=2,hidden=64,heads=4,head_dim=15", "model.head_dim", "even head size"),
+    ("layers=2,hidden=64,heads=4,head_dim=-2", "model.head_dim", "positive integer"),
+    ("preset=tiny-moe,router=sigmoid", "model.router", "softmax"),
+    ("preset=tiny-moe,aux_loss_coef=-1", "model.aux_loss_coef", ">= 0"),
+    ("preset=tiny-moe,first_dense_layers=4", "model.first_dense_layers", "between 0 and layers-1=3"),
+    ("preset=tiny-moe,moe_every=0", "model.moe_every", "positive integer"),
+    ("preset=tiny-moe,moe_every=5", "model.moe_every", "no MoE layer"),
+    ("layers=2,hidden=64,heads=4,shared_experts=1", "model.shared_experts", "only MoE"),
     ("preset=gpt9,layers=2", "model.preset", "unknown preset"),
     ("layers=2,hidden=64,heads=4,tied_embeddings=maybe", "model.tied_embeddings", "expected a bool"),
 ])

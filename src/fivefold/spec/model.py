@@ -12,6 +12,7 @@ from fivefold.spec.units import read_toml_file
 MLP_KINDS = ("gelu", "swiglu")
 NORM_KINDS = ("layernorm", "rmsnorm")
 POSITION_KINDS = ("learned", "rope")
+ROUTER_KINDS = ("softmax",)
 
 
 def llama_ffn_hidden(hidden: int, multiple_of: int = 256, multiplier: float = 1.0) -> int:
@@ -38,14 +39,25 @@ class ModelSpec:
     max_seq_len: int = 4096  # longest sequence (size of learned position table)
     rope_theta: float = 10000.0  # RoPE base
     norm_eps: float = 1e-5  # epsilon of the norms
+    head_dim: int = 0  # width of one attention head; 0 means hidden/heads (Qwen3/GPT-OSS set it apart)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     experts: int = 0  # MoE experts per layer; 0 = dense
     top_k: int = 0  # experts each token is routed to (MoE)
     expert_ffn_hidden: int = 0  # MLP width of one expert; 0 means ffn_hidden
+    shared_experts: int = 0  # experts every token visits besides its top_k (each expert_ffn_hidden wide)
+    router: str = "softmax"  # router scores: softmax over all experts' logits, computed in fp32
+    router_norm_topk: bool = True  # renormalise the top_k weights to sum to 1 (Mixtral; Qwen3 norm_topk_prob)
+    aux_loss_coef: float = 0.0  # Switch/Mixtral load-balancing loss weight; 0 = no auxiliary loss
+    router_bias_rate: float = 0.0  # DeepSeek-V3 auxiliary-loss-free bias update speed; 0 = off
+    first_dense_layers: int = 0  # leading layers that keep the dense MLP (DeepSeek first_k_dense_replace)
+    moe_every: int = 1  # after those, layer i is MoE when (i + 1) % moe_every == 0 (Qwen decoder_sparse_step)
 
     def __post_init__(self) -> None:
         # Fill derived defaults, then validate; frozen, so write through object.__setattr__.
         if self.kv_heads == 0:
             object.__setattr__(self, "kv_heads", self.heads)
+        if self.head_dim == 0 and isinstance(self.heads, int) and self.heads > 0 and self.hidden % self.heads == 0:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
         if self.ffn_hidden == 0 and self.hidden > 0:
             width = 4 * self.hidden if self.mlp == "gelu" else llama_ffn_hidden(self.hidden)
             object.__setattr__(self, "ffn_hidden", width)
@@ -61,43 +73,82 @@ class ModelSpec:
         require(self.norm in NORM_KINDS, "model.norm", self.norm, f"use one of {', '.join(NORM_KINDS)}")
         require(self.position in POSITION_KINDS, "model.position", self.position,
                 f"use one of {', '.join(POSITION_KINDS)}")
-        require(self.hidden % self.heads == 0, "model.hidden", self.hidden,
-                f"must be divisible by heads={self.heads}")
+        require(self.head_dim != 0 or self.hidden % self.heads == 0, "model.hidden", self.hidden,
+                f"must be divisible by heads={self.heads} (or set model.head_dim)")
+        require(isinstance(self.head_dim, int) and self.head_dim > 0, "model.head_dim", self.head_dim,
+                "must be a positive integer (0 means hidden/heads)")
         divisors = [d for d in range(1, self.heads + 1) if self.heads % d == 0]
         require(self.heads % self.kv_heads == 0, "model.kv_heads", self.kv_heads,
                 f"must divide heads={self.heads}; valid: {', '.join(map(str, divisors))}")
         if self.position == "rope":
-            require(self.head_dim % 2 == 0, "model.hidden", self.hidden,
-                    f"rope needs an even head size; hidden/heads = {self.head_dim}")
-        require(self.experts >= 0, "model.experts", self.experts, "must be 0 (dense) or a positive count")
+            field = "model.hidden" if self.head_dim * self.heads == self.hidden else "model.head_dim"
+            require(self.head_dim % 2 == 0, field, getattr(self, field[6:]),
+                    f"rope needs an even head size; head_dim = {self.head_dim}")
+        self._validate_moe()
+
+    def _validate_moe(self) -> None:
+        require(isinstance(self.experts, int) and self.experts >= 0, "model.experts", self.experts,
+                "must be 0 (dense) or a positive count")
+        require(self.router in ROUTER_KINDS, "model.router", self.router, f"use one of {', '.join(ROUTER_KINDS)}")
+        for name in ("aux_loss_coef", "router_bias_rate"):
+            value = getattr(self, name)
+            require(isinstance(value, (int, float)) and value >= 0, f"model.{name}", value, "must be >= 0")
+        require(isinstance(self.moe_every, int) and self.moe_every >= 1, "model.moe_every", self.moe_every,
+                "must be a positive integer (1 = every layer is MoE)")
+        require(isinstance(self.first_dense_layers, int) and 0 <= self.first_dense_layers < self.layers,
+                "model.first_dense_layers", self.first_dense_layers, f"must be between 0 and layers-1={self.layers - 1}")
+        require(isinstance(self.shared_experts, int) and self.shared_experts >= 0, "model.shared_experts",
+                self.shared_experts, "must be 0 or a positive count")
         if self.experts:
             require(1 <= self.top_k <= self.experts, "model.top_k", self.top_k,
                     f"must be between 1 and experts={self.experts}")
             require(self.expert_ffn_hidden > 0, "model.expert_ffn_hidden", self.expert_ffn_hidden,
                     "must be a positive integer")
+            require(self.moe_layers > 0, "model.moe_every", self.moe_every,
+                    f"leaves no MoE layer among {self.layers} layers")
         else:
             require(self.top_k == 0, "model.top_k", self.top_k, "only MoE models (experts > 0) route to top_k")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+            require(self.shared_experts == 0, "model.shared_experts", self.shared_experts,
+                    "only MoE models (experts > 0) have shared experts")
 
     @property
     def is_moe(self) -> bool:
         return self.experts > 0
 
-    def params_per_layer(self) -> int:
-        """Weights of one transformer block (all experts counted)."""
-        h, kv = self.hidden, self.kv_heads * self.head_dim
-        attention = h * h + 2 * h * kv + h * h  # q, k, v, o projections
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` (0-based) has the MoE block instead of the dense MLP."""
+        return self.is_moe and layer >= self.first_dense_layers and (layer + 1) % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.layers))
+
+    def params_per_layer(self, moe: bool | None = None) -> int:
+        """Weights of one transformer block: an MoE block (all experts counted) unless moe=False or dense."""
+        moe = self.is_moe if moe is None else (moe and self.is_moe)
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = h * q + 2 * h * kv + q * h  # q, k, v, o projections
         matrices = 3 if self.mlp == "swiglu" else 2
-        if self.is_moe:
-            mlp = self.experts * matrices * h * self.expert_ffn_hidden + h * self.experts  # + router
+        if moe:
+            experts = self.experts + self.shared_experts
+            mlp = experts * matrices * h * self.expert_ffn_hidden + h * self.experts  # + router
         else:
             mlp = matrices * h * self.ffn_hidden
         norm_weights = 2 * h if self.norm == "rmsnorm" else 4 * h
-        biases = 0 if self.norm == "rmsnorm" else (h + 2 * kv + h) + (self.ffn_hidden + h)  # GPT has biases
+        norm_weights += 2 * self.head_dim if self.qk_norm else 0
+        biases = 0 if self.norm == "rmsnorm" else (q + 2 * kv + h) + (self.ffn_hidden + h)  # GPT has biases
         return attention + mlp + norm_weights + biases
+
+    def layer_params_total(self) -> int:
+        """All blocks' weights, MoE and dense layers each counted as they are."""
+        moe = self.moe_layers
+        return moe * self.params_per_layer(True) + (self.layers - moe) * self.params_per_layer(False)
+
+    def active_params_per_token(self) -> int:
+        """Weights one token touches (top_k + shared experts of each MoE layer): the 'A3B' of qwen3-30b-a3b."""
+        matrices = 3 if self.mlp == "swiglu" else 2
+        idle = (self.experts - self.top_k) * matrices * self.hidden * self.expert_ffn_hidden
+        return self.num_params() - self.moe_layers * idle
 
     def embedding_params(self) -> int:
         positions = self.max_seq_len * self.hidden if self.position == "learned" else 0
@@ -109,14 +160,17 @@ class ModelSpec:
         return final_norm + (0 if self.tied_embeddings else self.vocab * self.hidden)
 
     def num_params(self) -> int:
-        return self.layers * self.params_per_layer() + self.embedding_params() + self.head_params()
+        return self.layer_params_total() + self.embedding_params() + self.head_params()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 # Sources: Llama 3 model card / params.json (Meta, 2024); GPT-3 paper Table 2.1 (Brown et al. 2020);
-# Mixtral config.json (Mistral AI, 2023); the 1T GPT of Narayanan et al. 2021 Table 1.
+# the 1T GPT of Narayanan et al. 2021 Table 1; MoE planning sizes from the published Hugging Face config.json
+# files: mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B, openai/gpt-oss-120b.
+# gpt-oss-120b is approximated for planning: its attention sinks, biases, alternating 128-token sliding window
+# and clamped SwiGLU are not modelled (sizes and routing are).
 PRESETS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(name="tiny", layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab=256,
                       max_seq_len=256),
@@ -136,7 +190,19 @@ PRESETS: dict[str, ModelSpec] = {
                         position="learned", vocab=51200, max_seq_len=2048, tied_embeddings=True),
     "mixtral-8x7b": ModelSpec(name="mixtral-8x7b", layers=32, hidden=4096, heads=32, kv_heads=8,
                               ffn_hidden=14336, vocab=32000, max_seq_len=32768, rope_theta=1e6,
-                              experts=8, top_k=2),
+                              experts=8, top_k=2, aux_loss_coef=0.02),
+    "tiny-moe": ModelSpec(name="tiny-moe", layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab=256,
+                          max_seq_len=256, experts=4, top_k=2, expert_ffn_hidden=64, aux_loss_coef=0.01),
+    "qwen3-30b-a3b": ModelSpec(name="qwen3-30b-a3b", layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128,
+                               qk_norm=True, ffn_hidden=6144, vocab=151936, max_seq_len=40960, rope_theta=1e6,
+                               norm_eps=1e-6, experts=128, top_k=8, expert_ffn_hidden=768, aux_loss_coef=0.001),
+    "qwen3-235b-a22b": ModelSpec(name="qwen3-235b-a22b", layers=94, hidden=4096, heads=64, kv_heads=4,
+                                 head_dim=128, qk_norm=True, ffn_hidden=12288, vocab=151936, max_seq_len=40960,
+                                 rope_theta=1e6, norm_eps=1e-6, experts=128, top_k=8, expert_ffn_hidden=1536,
+                                 aux_loss_coef=0.001),
+    "gpt-oss-120b": ModelSpec(name="gpt-oss-120b", layers=36, hidden=2880, heads=64, kv_heads=8, head_dim=64,
+                              ffn_hidden=2880, vocab=201088, max_seq_len=131072, rope_theta=150000.0,
+                              experts=128, top_k=4, expert_ffn_hidden=2880, aux_loss_coef=0.9),
 }
 
 _FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(ModelSpec)}
@@ -168,6 +234,7 @@ def model_from_dict(values: dict, base: ModelSpec | None = None) -> ModelSpec:
     if base is not None:
         # Derived defaults of the base must be recomputed if the fields they derive from change.
         for derived, sources in (("kv_heads", ("heads",)), ("ffn_hidden", ("hidden", "mlp")),
+                                 ("head_dim", ("hidden", "heads")),
                                  ("expert_ffn_hidden", ("ffn_hidden", "hidden", "mlp"))):
             if any(s in values for s in sources) and derived not in values:
                 fields[derived] = 0
