@@ -33,8 +33,9 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
                             "(default: 1x4xcpu)")
     group.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: 128)")
     group.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step (default: 8)")
-    group.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                       help="compute dtype (default: fp32 on cpu clusters, bf16 otherwise)")
+    group.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "fp8"], default=None,
+                       help="compute dtype (default: fp32 on cpu clusters, bf16 otherwise); fp8: FP8 GEMMs, "
+                            "BF16 elsewhere (H100 and newer)")
 
 
 def add_layout_flags(parser: argparse.ArgumentParser, for_search: bool = False) -> None:
@@ -62,9 +63,10 @@ def add_layout_flags(parser: argparse.ArgumentParser, for_search: bool = False) 
 
 
 def add_stack_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--stack", default="modern", help="software the cost model assumes: modern (default), "
-                        "megatron-core (TP overlap), megatron-lm-2022 (no FlashAttention, DDP without overlap), "
-                        "fivefold (this project's runtime)")
+    from fivefold.cost.stack import stack_help
+
+    parser.add_argument("--stack", default="modern", help="software the cost model assumes, and what it can run "
+                        "(default: modern). " + stack_help())
 
 
 def add_json_flag(parser: argparse.ArgumentParser) -> None:

@@ -15,6 +15,29 @@ from fivefold.errors import SpecError
 from fivefold.spec.model import ModelSpec
 
 GIB = 2**30
+ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
+
+
+@dataclass(frozen=True)
+class Features:
+    """What a stack can run: the planner proposes nothing else, and `estimate` says when a plan asks more."""
+
+    parallelisms: tuple[str, ...] = ("dp", "tp", "pp", "cp", "ep")
+    schedules: tuple[str, ...] = ALL_SCHEDULES
+    zero_levels: tuple[int, ...] = (0, 1, 2, 3)
+    cp_methods: tuple[str, ...] = ("all-gather", "all-to-all")  # K/V all-gather (Llama 3), heads (Ulysses)
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    fp8: bool = False  # FP8 GEMMs (Transformer Engine, torchao Float8)
+    fp8_all_gather: bool = False  # ZeRO-3 / FSDP gathers the weights already cast to FP8
+    built_on: str = ""  # the pieces, for `estimate --help`
+
+    def describe(self) -> str:
+        parts = [f"parallel {'/'.join(self.parallelisms)}", f"schedules {', '.join(self.schedules)}",
+                 f"ZeRO {'/'.join(map(str, self.zero_levels))}",
+                 f"CP {'/'.join(self.cp_methods)}" if "cp" in self.parallelisms else "no CP",
+                 f"recompute {'/'.join(self.recompute)}",
+                 ("FP8" + (" (FP8 all-gather)" if self.fp8_all_gather else "")) if self.fp8 else "no FP8"]
+        return "; ".join(parts) + (f" [{self.built_on}]" if self.built_on else "")
 
 
 @dataclass(frozen=True)
@@ -40,6 +63,7 @@ class SoftwareStack:
     #                                 costs (CPU), each pass costs eager_ops x seconds per op (step.py)
     collective_per_module: bool = False  # FSDP2 / replicate gather and reduce each wrapped module (each block
     #                                      and stage model) in its own collective, not in large buckets
+    features: Features = Features()  # what the software can run at all
 
     def uses_dropout(self, model: ModelSpec) -> bool:
         # GPT recipes (Megatron, GPT-2/3) train with dropout 0.1; Llama-style recipes use none.
@@ -53,16 +77,23 @@ class SoftwareStack:
 
 
 STACKS: dict[str, SoftwareStack] = {
-    "modern": SoftwareStack(),
+    # Everything current software offers somewhere (no single framework): the planner's open-ended view.
+    "modern": SoftwareStack(features=Features(fp8=True, fp8_all_gather=True, built_on="any current framework")),
     # Megatron-Core with Transformer Engine as NVIDIA benchmarks it: TP communication overlapped with
     # GEMMs, distributed optimizer with overlapped gradient reduce and parameter gather.
-    "megatron-core": SoftwareStack(name="megatron-core", overlap_tp_comm=True),
+    "megatron-core": SoftwareStack(name="megatron-core", overlap_tp_comm=True, features=Features(
+        schedules=("1f1b", "interleaved-1f1b"), zero_levels=(0, 1), cp_methods=("all-gather", "all-to-all"),
+        fp8=True, built_on="Megatron-Core + Transformer Engine, distributed optimizer")),
     # Megatron-LM of 2021-22 (the vTrain measurements): no FlashAttention (scores materialized, fused
     # scale-mask-softmax), the "local" DDP all-reduces gradients after backward, blocking pipeline p2p,
     # and a Python-heavy layer with tensor-parallel RNG tracking and activation-checkpoint wrappers.
     "megatron-lm-2022": SoftwareStack(name="megatron-lm-2022", attention="unfused", overlap_grad_reduce=False,
                                       overlap_param_gather=False, async_p2p=False,
-                                      host_seconds_per_kernel=50e-6, host_serialization=0.1),
+                                      host_seconds_per_kernel=50e-6, host_serialization=0.1,
+                                      features=Features(parallelisms=("dp", "tp", "pp"),
+                                                        schedules=("1f1b", "interleaved-1f1b"),
+                                                        zero_levels=(0, 1), cp_methods=(), fp8=False,
+                                                        built_on="Megatron-LM 2022: local DDP, no CP/MoE/FP8")),
     # fivefold's own runtime (runtime/parallelize.py, runtime/pipeline.py) on torch 2.13: SDPA (flash)
     # attention, no dropout in its models, DTensor TP whose input-gradient all-reduce is issued after the
     # whole matmul backward (no overlap with the weight gradient), FSDP2 / replicate with fp32 gradient
@@ -74,7 +105,19 @@ STACKS: dict[str, SoftwareStack] = {
     # profiled CPU the measured host costs of its eager ops, FSDP2 hooks and AdamW replace it (step.py).
     "fivefold": SoftwareStack(name="fivefold", dropout=False, overlap_tp_backward=False, grad_reduce_bytes=4,
                               pipeline_defers_grad_sync=True, zero2_reshards_after_backward=True,
-                              eager_host_costs=True),
+                              eager_host_costs=True, features=Features(
+                                  built_on="FSDP2, DTensor TP, torch.distributed.pipelining, own CP, eager")),
+    # TorchTitan (end of 2024, benchmarks/llama3_h100_202412_torchtitan.md): FSDP2 (ZeRO-3, or ZeRO-2 with
+    # reshard_after_forward=False; DDP for ZeRO-0), DTensor TP with sequence parallel and async TP
+    # (collectives pipelined with the GEMMs), torch.distributed.pipelining schedules, context parallel
+    # (K/V all-gather), torchao Float8 with FP8 all-gather under FSDP2, torch.compile per block. Gradients
+    # reduced in fp32 (bf16 params, fp32 reduce under MixedPrecisionPolicy).
+    "torchtitan": SoftwareStack(name="torchtitan", dropout=False, grad_reduce_bytes=4, overlap_tp_comm=True,
+                                pipeline_defers_grad_sync=True, zero2_reshards_after_backward=True,
+                                features=Features(parallelisms=("dp", "tp", "pp", "cp"), zero_levels=(0, 2, 3),
+                                                  cp_methods=("all-gather",), fp8=True, fp8_all_gather=True,
+                                                  built_on="FSDP2, DTensor TP, async TP, torch pipelining, "
+                                                           "Float8 (torchao), torch.compile")),
 }
 # The same runtime on CPU ranks (a profile with host costs selects it, see on_host_profiled_cpu): the CPU
 # that computes is the one that issues, so nothing runs ahead and FSDP2's gathers and reductions do not
@@ -159,6 +202,32 @@ def stack_named(name: str) -> SoftwareStack:
     if name not in STACKS:
         raise SpecError("--stack", name, f"unknown software stack; known: {', '.join(STACKS)}")
     return STACKS[name]
+
+
+def stack_help() -> str:
+    """One line per user-facing stack: its name and what it can run (for `--help`)."""
+    return "; ".join(f"{name}: {stack.features.describe()}" for name, stack in STACKS.items()
+                     if not name.endswith("-cpu"))
+
+
+def unsupported_features(stack: SoftwareStack, plan: object) -> list[str]:
+    """What a plan (or Layout) asks that the stack cannot run, one phrase each; empty when it can."""
+    features, out = stack.features, []
+    for dim in ("tp", "pp", "cp", "ep"):
+        if getattr(plan, dim, 1) > 1 and dim not in features.parallelisms:
+            out.append(f"{dim} > 1")
+    if getattr(plan, "pp", 1) > 1 and plan.schedule not in features.schedules:  # type: ignore[attr-defined]
+        out.append(f"schedule {plan.schedule}")  # type: ignore[attr-defined]
+    if plan.zero not in features.zero_levels and plan.dp * getattr(plan, "cp", 1) > 1:  # type: ignore[attr-defined]
+        out.append(f"ZeRO-{plan.zero}")  # type: ignore[attr-defined]
+    if plan.recompute not in features.recompute:  # type: ignore[attr-defined]
+        out.append(f"recompute {plan.recompute}")  # type: ignore[attr-defined]
+    method = getattr(plan, "cp_method", None)
+    if getattr(plan, "cp", 1) > 1 and method and method not in features.cp_methods:
+        out.append(f"CP method {method}")
+    if plan.train.dtype == "fp8" and not features.fp8:  # type: ignore[attr-defined]
+        out.append("FP8")
+    return out
 
 
 @dataclass(frozen=True)

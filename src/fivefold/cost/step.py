@@ -96,6 +96,9 @@ class Estimate:
     optimizer_s: float
     breakdown_s: dict[str, float] = field(default_factory=dict)  # sums to step_time_s
     stack: str = "modern"
+    notes: list[str] = field(default_factory=list)  # one line each: what the stack cannot run, extrapolation
+    error_band: float | None = None  # expected relative error of the step time (development-set residuals)
+    mfu_basis: str = ""  # which peak MFU is counted against ("bf16 peak" under fp8)
 
     def to_dict(self) -> dict:
         """The `fivefold estimate --json` object."""
@@ -113,6 +116,7 @@ class Estimate:
             "breakdown_s": dict(self.breakdown_s),
             "dp_comm_s": self.dp_comm_s, "dp_comm_exposed_s": self.dp_comm_exposed_s,
             "optimizer_s": self.optimizer_s, "pipeline_s": self.pipeline_s, "stack": self.stack,
+            "notes": list(self.notes), "error_band": self.error_band, "mfu_basis": self.mfu_basis,
             "stages": [{"pp_rank": s.pp_rank, "layers": s.layers, "forward_s": s.forward,
                         "backward_input_s": s.backward_input, "backward_weight_s": s.backward_weight,
                         "send_activation_s": s.send_activation, "activation_gib": s.activation_bytes / GIB,
@@ -121,8 +125,12 @@ class Estimate:
 
 
 def estimate(plan: Plan, stack: SoftwareStack | None = None, headroom: float = 0.0) -> Estimate:
-    """Predict one plan (see the module docstring for how the parts add up)."""
-    return estimate_layout(Layout.of_plan(plan), stack or STACKS["modern"], headroom, plan.describe())
+    """Predict one plan (see the module docstring for how the parts add up), with what makes it credible:
+    the stack's missing features, extrapolation and the error band (cost/credibility.py)."""
+    from fivefold.cost.credibility import annotate
+
+    stack = stack or STACKS["modern"]
+    return annotate(estimate_layout(Layout.of_plan(plan), stack, headroom, plan.describe()), plan, stack)
 
 
 # --- the pieces -----------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ def estimate_renderables(estimate: Estimate, title: str) -> list:
     for key, value in estimate.memory.to_dict().items():
         memory.add_row(key, f"{value:.2f}")
     out = [summary, breakdown, memory]
+    out.extend(f"note: {line}" for line in estimate.notes)
     if len(estimate.stage_costs) > 1:
         stages = Table(title="per stage, one micro-batch", title_justify="left")
         for column in ("stage", "rank", "layers", "forward", "backward (B)", "backward (W)", "send", "act. GiB",

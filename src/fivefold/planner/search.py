@@ -32,8 +32,8 @@ from fivefold.errors import FivefoldError, SpecError
 from fivefold.planner.explain import infeasible_message
 from fivefold.planner.mixed import (REPLICAS, STAGES, PlacementOption, fit_memory, is_mixed, placement_options,
                                     replica_shares, roomier, speed_balanced_layers, work_bound)
-from fivefold.planner.space import (Choices, balanced_layers, degree_options, micro_batch_options,
-                                    recompute_options, schedule_options, sequence_parallel_option, zero_options)
+from fivefold.planner.space import (Choices, balanced_layers, check_stack_choices, degree_options,
+                                    micro_batch_options, recompute_options, schedule_options, sequence_parallel_option, zero_options)
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import Plan, default_layers_per_stage
@@ -109,7 +109,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
     if top < 1:
         raise SpecError("--top", top, "must be at least 1")
     started = time.perf_counter()
-    degrees = degree_options(model, cluster, train, choices)
+    check_stack_choices(stack, choices, train)
+    degrees = degree_options(model, cluster, train, choices, stack)
     if not degrees:
         raise SpecError("plan degrees", _fixed_text(choices) or "(none fixed)",
                         f"no dp x tp x pp x cp split of the {cluster.world_size} devices is valid: tp must divide "
@@ -140,11 +141,11 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
             progress(done, len(ordered), last_report - started)
         sequence_parallel = sequence_parallel_option(tp, choices)
         recomputes = recompute_options(stack, choices)
-        zeros = zero_options(dp, cp, choices)
+        zeros = zero_options(dp, cp, choices, stack=stack)
         options: list[PlacementOption | None] = placement_options(cluster, dp, tp, pp, cp) if ctx.mixed else [None]
         for micro_batch in micro_batch_options(train, dp, choices):
             micro_batches = train.global_batch // (dp * micro_batch)
-            schedules = schedule_options(model, pp, micro_batches, choices)
+            schedules = schedule_options(model, pp, micro_batches, choices, stack)
             family = len(schedules) * len(recomputes) * len(zeros) * len(options)
             examined += family
             base = _layout(ctx, (dp, tp, pp, cp, ep, micro_batch, "1f1b", 1), (1,) * pp, "none",
@@ -232,7 +233,8 @@ def _best_placement(ctx: _Context, signature: tuple, sequence_parallel: bool, re
         options = [o for o in options if o not in orders or o == keep]
     for option in options:
         uneven = option is not None and option.kind == REPLICAS
-        option_zeros = zero_options(signature[0], signature[3], ctx.choices, uneven_replicas=True) if uneven else zeros
+        option_zeros = zero_options(signature[0], signature[3], ctx.choices, uneven_replicas=True,
+                                    stack=ctx.stack) if uneven else zeros
         found, can_fit = _best_variant(ctx, memo, signature, sequence_parallel, recomputes, option_zeros, option,
                                        limit)
         any_can_fit = any_can_fit or can_fit
@@ -384,7 +386,7 @@ def _alternatives(ctx: _Context, found: _Found) -> tuple[list[tuple[PlacementOpt
             if not sizes:
                 continue
             options = schedule_options(ctx.model, stages, ctx.train.global_batch // (replicas * sizes[-1]),
-                                       ctx.choices)
+                                       ctx.choices, ctx.stack)
             if options:
                 same = [o for o in options if o == (schedule, virtual)]
                 rivals.append((replicas, tp, stages, cp, ep, sizes[-1], *(same or options)[0]))
@@ -396,7 +398,8 @@ def _alternatives(ctx: _Context, found: _Found) -> tuple[list[tuple[PlacementOpt
             if option == found.option and signature == found.signature or (
                     signature != found.signature and option.kind == kind):
                 continue
-            zeros = zero_options(signature[0], cp, ctx.choices, uneven_replicas=option.kind == REPLICAS)
+            zeros = zero_options(signature[0], cp, ctx.choices, uneven_replicas=option.kind == REPLICAS,
+                                 stack=ctx.stack)
             rival, _ = _best_variant(ctx, {}, signature, found.sequence_parallel, recomputes, zeros, option,
                                      lambda: float("inf"))
             if rival is not None:

@@ -5,7 +5,8 @@ Every option listed here is valid for Plan.validate; options that can never win 
 element-wise work), ZeRO-0 loses to ZeRO-1 whenever there is more than one replica (same traffic, less
 memory, shorter optimizer step), GPipe loses to 1F1B (same time, more memory) and selective recompute
 equals no recompute when attention is fused (FlashAttention already recomputes the scores). A choice the
-user fixes is always kept, dominated or not.
+user fixes is always kept, dominated or not. Nothing the software stack cannot run is listed
+(`SoftwareStack.features`): `check_stack_choices` turns a fixed choice outside it into an error.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import functools
 import heapq
 from dataclasses import dataclass
 
-from fivefold.cost.stack import SoftwareStack
+from fivefold.cost.stack import STACKS, SoftwareStack
+from fivefold.errors import SpecError
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import divisors
@@ -45,25 +47,46 @@ def _allowed(value: int, fixed: int | None) -> bool:
     return fixed is None or value == fixed
 
 
+def check_stack_choices(stack: SoftwareStack, choices: Choices, train: TrainSpec) -> None:
+    """A fixed choice the stack cannot run is an error that names what the stack can run."""
+    features = stack.features
+    can = f"{stack.name} runs: {features.describe()}"
+    for dim in ("tp", "pp", "cp", "ep"):
+        value = getattr(choices, dim)
+        if value is not None and value > 1 and dim not in features.parallelisms:
+            raise SpecError(f"--{dim}", value, f"the {stack.name} stack has no {dim} parallelism; {can}")
+    if choices.schedule is not None and choices.schedule not in features.schedules:
+        raise SpecError("--schedule", choices.schedule, f"not in the {stack.name} stack; {can}")
+    if choices.zero is not None and choices.zero not in features.zero_levels:
+        raise SpecError("--zero", choices.zero, f"not in the {stack.name} stack; {can}")
+    if choices.recompute is not None and choices.recompute not in features.recompute:
+        raise SpecError("--recompute", choices.recompute, f"not in the {stack.name} stack; {can}")
+    if train.dtype == "fp8" and not features.fp8:
+        raise SpecError("--dtype", "fp8", f"the {stack.name} stack has no FP8 training; {can}")
+
+
 def degree_options(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
-                   choices: Choices) -> list[tuple[int, int, int, int, int]]:
-    """Every (dp, tp, pp, cp, ep) whose product is the world size and that Plan.validate accepts."""
+                   choices: Choices, stack: SoftwareStack | None = None) -> list[tuple[int, int, int, int, int]]:
+    """Every (dp, tp, pp, cp, ep) whose product is the world size, that Plan.validate accepts and that the
+    stack can run."""
     world = cluster.world_size
+    can = (stack or STACKS["modern"]).features.parallelisms
+    max_tp, max_pp, max_cp = (world if dim in can else 1 for dim in ("tp", "pp", "cp"))
     mlp_width = model.expert_ffn_hidden if model.is_moe else model.ffn_hidden
     out = []
     for tp in divisors(world):
-        if not _allowed(tp, choices.tp) or model.heads % tp or model.kv_heads % tp or mlp_width % tp:
+        if tp > max_tp or not _allowed(tp, choices.tp) or model.heads % tp or model.kv_heads % tp or mlp_width % tp:
             continue
         for pp in divisors(world // tp):
-            if not _allowed(pp, choices.pp) or pp > model.layers:
+            if pp > max_pp or not _allowed(pp, choices.pp) or pp > model.layers:
                 continue
             for cp in divisors(world // (tp * pp)):
                 dp = world // (tp * pp * cp)
-                if not _allowed(cp, choices.cp) or not _allowed(dp, choices.dp) or train.seq_len % cp:
+                if cp > max_cp or not _allowed(cp, choices.cp) or not _allowed(dp, choices.dp) or train.seq_len % cp:
                     continue
                 if train.global_batch % dp:
                     continue
-                if model.is_moe:
+                if model.is_moe and "ep" in can:
                     experts_options = [ep for ep in divisors(dp * cp) if model.experts % ep == 0]
                 else:
                     experts_options = [1]
@@ -79,8 +102,9 @@ def micro_batch_options(train: TrainSpec, dp: int, choices: Choices) -> list[int
     return [b for b in divisors(per_replica) if _allowed(b, choices.micro_batch)]
 
 
-def schedule_options(model: ModelSpec, pp: int, micro_batches: int, choices: Choices) -> list[tuple[str, int]]:
-    """(schedule, virtual stages) pairs valid for this pipeline."""
+def schedule_options(model: ModelSpec, pp: int, micro_batches: int, choices: Choices,
+                     stack: SoftwareStack | None = None) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) pairs valid for this pipeline and run by the stack."""
     if pp == 1:
         schedule = choices.schedule or "1f1b"
         virtual = choices.virtual_stages or (2 if schedule in ("zbv", "interleaved-1f1b") else 1)
@@ -96,18 +120,21 @@ def schedule_options(model: ModelSpec, pp: int, micro_batches: int, choices: Cho
             options.append(("zbv", 2))
         if choices.schedule == "gpipe":
             options.append(("gpipe", 1))
+    runs = (stack or STACKS["modern"]).features.schedules
     return [(s, v) for s, v in options if (choices.schedule is None or s == choices.schedule)
-            and _allowed(v, choices.virtual_stages)]
+            and _allowed(v, choices.virtual_stages) and s in runs]
 
 
 def recompute_options(stack: SoftwareStack, choices: Choices) -> list[str]:
     """Cheapest first: none, (selective), full."""
     if choices.recompute is not None:
         return [choices.recompute]
-    return ["none", "full"] if stack.attention == "flash" else ["none", "selective", "full"]
+    kinds = ["none", "full"] if stack.attention == "flash" else ["none", "selective", "full"]
+    return [kind for kind in kinds if kind in stack.features.recompute]
 
 
-def zero_options(dp: int, cp: int, choices: Choices, uneven_replicas: bool = False) -> list[int]:
+def zero_options(dp: int, cp: int, choices: Choices, uneven_replicas: bool = False,
+                 stack: SoftwareStack | None = None) -> list[int]:
     """Fastest first; with one replica every level is the same plan, so only 0. With uneven micro-batches
     per replica (replicas on the groups of a mixed cluster), ZeRO-0 first and ZeRO-1 only to save memory:
     a ZeRO parameter all-gather is a collective every replica joins at the same point of its step (ZeRO-1
@@ -117,7 +144,13 @@ def zero_options(dp: int, cp: int, choices: Choices, uneven_replicas: bool = Fal
         return [choices.zero]
     if dp * cp == 1:
         return [0]
-    return [0, 1] if uneven_replicas else [1, 2, 3]
+    levels = (stack or STACKS["modern"]).features.zero_levels
+    wanted = [0, 1] if uneven_replicas else [1, 2, 3]
+    kept = [zero for zero in wanted if zero in levels]
+    # A stack without ZeRO-1 (TorchTitan: DDP or FSDP2) keeps its plain data parallelism as the fast option.
+    if 1 not in kept and 0 in levels and 0 not in kept:
+        kept.insert(0, 0)
+    return kept
 
 
 def sequence_parallel_option(tp: int, choices: Choices) -> bool:

@@ -52,6 +52,8 @@ def check_runnable(plan: Plan, nproc: int, device: str = "cpu", gpus: int = 0, l
             if m.position == "learned":
                 require(m.max_seq_len % plan.tp == 0, "plan.tp", plan.tp,
                         f"must divide model.max_seq_len={m.max_seq_len} (the position table is split over tp)")
+    require(plan.train.dtype != "fp8", "train.dtype", "fp8", "fivefold's runtime has no FP8 training (the cost "
+            "model's torchtitan and megatron-core stacks do); train in bf16")
     if plan.schedule in ("zb-h1", "zbv") and plan.pp > 1:
         # Both found by the parity tests on torch 2.13: zero 3 with these schedules gives wrong weight
         # gradients; selective recompute refuses the second (weight) backward over a saved region.

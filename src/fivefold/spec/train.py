@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from fivefold.errors import SpecError, require
 
-DTYPES = ("bf16", "fp16", "fp32")
+DTYPES = ("bf16", "fp16", "fp32", "fp8")
 OPTIMIZERS = ("adamw",)
 
 
@@ -15,7 +15,8 @@ OPTIMIZERS = ("adamw",)
 class TrainSpec:
     seq_len: int = 128  # tokens per sequence
     global_batch: int = 8  # sequences per optimizer step, over all data-parallel replicas
-    dtype: str = "bf16"  # compute dtype: bf16 | fp16 (mixed precision, fp32 master) | fp32
+    dtype: str = "bf16"  # compute dtype: bf16 | fp16 (mixed precision, fp32 master) | fp32 | fp8 (FP8 GEMMs,
+    #                       BF16 elsewhere, as TorchTitan's Float8 and Megatron's FP8 recipes)
     optimizer: str = "adamw"  # only AdamW for now
 
     def __post_init__(self) -> None:
