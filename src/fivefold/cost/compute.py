@@ -185,14 +185,20 @@ def elementwise_time(device: Device, num_bytes: float, kernels: int = 1) -> floa
 
 
 def flash_attention_time(device: Device, batch_heads: int, q_len: int, kv_len: int, head_dim: int,
-                         causal: bool, backward: bool) -> float:
+                         causal: bool, backward: bool, window: int = 0) -> float:
     """Seconds of a fused (FlashAttention-style) attention kernel over `batch_heads` (batch x local heads).
 
     Forward does 2 matmuls (Q K^T, P V) of 2 * q * kv * d FLOPs each; backward does 5 (it recomputes P),
     i.e. 2.5x forward. A causal mask skips about half the blocks. Query blocks of 128 rows are the tiles.
     """
     flops = 4.0 * batch_heads * q_len * kv_len * head_dim * (2.5 if backward else 1.0)
-    if causal:
+    if causal and 0 < window < kv_len:
+        # A causal sliding window: each query sees up to `window` keys (fewer in the first window), and
+        # the key blocks that cut the band's two edges run whole.
+        keys = window * (1.0 - window / (2.0 * kv_len)) + 128.0
+        flops *= min(1.0, keys / kv_len)
+        kv_len = min(kv_len, window + 128)  # what one query block reads (the roofline's memory term)
+    elif causal:
         flops *= 0.5 * (1.0 + 1.0 / max(1, -(-kv_len // 128)))  # the diagonal blocks run whole
     relative = device.profile.attention_backward if backward else device.profile.attention_forward
     # Head sizes below 128 waste tensor-core width; FlashAttention-2 reports ~15% less at d=64.

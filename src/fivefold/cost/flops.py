@@ -28,9 +28,10 @@ def narayanan_flops(batch: int, seq_len: int, layers: int, hidden: int, vocab: i
 
 
 def linear_flops_per_token(model: ModelSpec) -> float:
-    """Forward FLOPs of one layer's weight matrices for one token (QKV, output, MLP, MoE router)."""
-    h, kv = model.hidden, model.kv_heads * model.head_dim
-    attention = 2 * h * (h + 2 * kv) + 2 * h * h
+    """Forward FLOPs of one layer's weight matrices for one token (QKV, output, MLP, MoE router); the query
+    width is heads x head_dim, which differs from hidden in Qwen3 and GPT-OSS."""
+    h, q, kv = model.hidden, model.heads * model.head_dim, model.kv_heads * model.head_dim
+    attention = 2 * h * (q + 2 * kv) + 2 * q * h
     matrices = 3 if model.mlp == "swiglu" else 2
     if model.is_moe:
         mlp = model.top_k * 2 * matrices * h * model.expert_ffn_hidden + 2 * h * model.experts
@@ -39,9 +40,17 @@ def linear_flops_per_token(model: ModelSpec) -> float:
     return float(attention + mlp)
 
 
+def attended_keys(model: ModelSpec, seq_len: int) -> float:
+    """Keys one query attends to, averaged over the layers: s in full-attention layers, min(window, s) in
+    sliding-window layers (the model FLOPs convention counts the whole band, as it counts the whole s x s)."""
+    sliding = model.sliding_layers
+    return (sliding * min(model.sliding_window, seq_len) + (model.layers - sliding) * seq_len) / model.layers
+
+
 def attention_flops_per_token(model: ModelSpec, seq_len: int) -> float:
-    """Forward FLOPs of Q K^T and A V for one token: 2 * 2 * s * h, full (non-causal) as in eq. (3)."""
-    return 4.0 * seq_len * model.hidden
+    """Forward FLOPs of Q K^T and A V for one token: 2 * 2 * keys * heads * head_dim (keys = s without a
+    sliding window), full (non-causal) as in eq. (3)."""
+    return 4.0 * attended_keys(model, seq_len) * model.heads * model.head_dim
 
 
 def head_flops_per_token(model: ModelSpec) -> float:

@@ -169,7 +169,7 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
     b, s_local = shape.micro_batch, shape.seq_len // shape.cp
     tokens = b * s_local  # tokens of this rank
     h, d = m.hidden, m.head_dim
-    kv = m.kv_heads * d
+    q, kv = m.heads * d, m.kv_heads * d  # query and key/value widths (q differs from h with a set head_dim)
     heads = m.heads // t
     norm_tokens = tokens // t if shape.sequence_parallel else tokens  # SP shards the non-TP regions
     dropout = stack.uses_dropout(m)
@@ -179,14 +179,20 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
 
     # Attention block: norm, QKV, (rope), core, output projection, TP collective, residual.
     work.elementwise(device, 2 * norm_tokens * h * e, 3 * norm_tokens * h * e, 1, 2)
-    qkv = work.gemm(device, tokens, h, (h + 2 * kv) // t, bias=bias)
+    qkv = work.gemm(device, tokens, h, (q + 2 * kv) // t, bias=bias)
     if m.position == "rope":
-        rope_bytes = 2 * tokens * (h + kv) // t * e
+        rope_bytes = 2 * tokens * (q + kv) // t * e
         work.elementwise(device, rope_bytes, rope_bytes, 2, 2)
     if stack.attention == "flash":
         before = work.forward
-        work.forward += flash_attention_time(device, b * heads, s_local, shape.seq_len, d, True, False)
-        work.backward_input += flash_attention_time(device, b * heads, s_local, shape.seq_len, d, True, True)
+        # Sliding-window layers are a share of the blocks: this average block carries that share of them.
+        sliding = m.sliding_layers / m.layers
+        for share, window in ((1.0 - sliding, 0), (sliding, m.sliding_window)):
+            if share > 0:
+                work.forward += share * flash_attention_time(device, b * heads, s_local, shape.seq_len, d, True,
+                                                             False, window)
+                work.backward_input += share * flash_attention_time(device, b * heads, s_local, shape.seq_len, d,
+                                                                    True, True, window)
         work.forward_kernels += 1
         work.backward_kernels += 2
         # Selective recompute adds nothing here: FlashAttention's backward recomputes the scores itself.
@@ -207,16 +213,16 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
         work.forward += gemm_time(device, s_local, d, shape.seq_len, b * heads)
         score_bytes = 2 * e + ((2 * e + 1) if dropout else 0)  # softmax read+write, dropout r+w+mask
         work.forward += elementwise_time(device, scores * score_bytes, 2 if dropout else 1)
-        work.forward += elementwise_time(device, 2 * tokens * h // t * e)  # context permute to [s, b, h]
+        work.forward += elementwise_time(device, 2 * tokens * q // t * e)  # context permute to [s, b, h]
         work.selective += work.forward - start
         # Backward: dP, dV, dQ, dK GEMMs; dropout and softmax backward over the scores.
         work.backward_input += 2 * gemm_time(device, s_local, shape.seq_len, d, b * heads)
         work.backward_input += 2 * gemm_time(device, s_local, d, shape.seq_len, b * heads)
         backward_score_bytes = 3 * e + ((2 * e + 1) if dropout else 0)
-        work.backward_input += elementwise_time(device, scores * backward_score_bytes + 2 * tokens * h // t * e, 3)
+        work.backward_input += elementwise_time(device, scores * backward_score_bytes + 2 * tokens * q // t * e, 3)
         work.forward_kernels += 6
         work.backward_kernels += 8
-    projection = work.gemm(device, tokens, h // t, h, bias=bias)
+    projection = work.gemm(device, tokens, q // t, h, bias=bias)
     _tp_collectives(work, hidden_bytes, tp_link, shape.sequence_parallel, stack, [qkv, projection])
     residual = 3 * e + (1 if dropout else 0)
     work.elementwise(device, norm_tokens * h * residual, norm_tokens * h * (2 * e + 1 if dropout else e),

@@ -11,7 +11,10 @@ Models"), which for a GPT layer stores s*b*h*(34 + 5*a*s/h) bytes, and with tens
 s*b*h*(10 + 24/t + 5*a*s/(h*t)). We rebuild that sum tensor by tensor so it also covers GQA (smaller K, V),
 SwiGLU (three MLP tensors), MoE (top_k token copies), models without dropout (no masks), context
 parallelism (s/cp tokens per rank) and fused attention (no s x s score tensors). For a GPT layer with
-materialized scores it reduces exactly to their formulas (tests check this).
+materialized scores it reduces exactly to their formulas (tests check this). A set head_dim (query width
+heads x head_dim != hidden, Qwen3 / GPT-OSS) sizes Q, K, V and the attention output. Sliding-window layers
+store what full-attention layers store: fused attention keeps no score tensor either way (only the per-row
+log-sum-exp), and the unfused path masks a full s x s score tensor, so the window changes time, not memory.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ def layer_activation_bytes(shape: LayerShape, dropout: bool, attention: str, ele
     replicated_share = 1.0 / t if shape.sequence_parallel else 1.0
     if shape.recompute == "full":
         return e * tokens * h * replicated_share  # the layer input only
-    kv = m.kv_heads * m.head_dim
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
     mask = 1 if dropout else 0
     copies = m.top_k if m.is_moe else 1  # each token visits top_k experts
     # Outside the TP regions: two norm inputs, QKV input, MLP input (per expert copy), two dropout masks.
@@ -70,7 +73,7 @@ def layer_activation_bytes(shape: LayerShape, dropout: bool, attention: str, ele
     # Inside: Q, K, V; attention output (projection input); MLP hidden tensors.
     width = m.expert_ffn_hidden if m.is_moe else m.ffn_hidden
     mlp_tensors = 3 if m.mlp == "swiglu" else 2
-    sharded = tokens * (e * (h + 2 * kv) + e * h + copies * e * mlp_tensors * width)
+    sharded = tokens * (e * (q + 2 * kv) + e * q + copies * e * mlp_tensors * width)
     if m.is_moe:
         replicated += tokens * m.experts * 4  # fp32 router probabilities
     if attention == "unfused" and shape.recompute != "selective":

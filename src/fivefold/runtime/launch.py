@@ -52,6 +52,8 @@ def check_runnable(plan: Plan, nproc: int, device: str = "cpu", gpus: int = 0, l
             if m.position == "learned":
                 require(m.max_seq_len % plan.tp == 0, "plan.tp", plan.tp,
                         f"must divide model.max_seq_len={m.max_seq_len} (the position table is split over tp)")
+    require(plan.model.sliding_window == 0, "model.sliding_window", plan.model.sliding_window, "sliding-window attention is "
+            "costed by the planner but not built by fivefold's models; train with sliding_window=0")
     require(plan.train.dtype != "fp8", "train.dtype", "fp8", "fivefold's runtime has no FP8 training (the cost "
             "model's torchtitan and megatron-core stacks do); train in bf16")
     if plan.schedule in ("zb-h1", "zbv") and plan.pp > 1:

@@ -51,6 +51,9 @@ class ModelSpec:
     router_bias_rate: float = 0.0  # DeepSeek-V3 auxiliary-loss-free bias update speed; 0 = off
     first_dense_layers: int = 0  # leading layers that keep the dense MLP (DeepSeek first_k_dense_replace)
     moe_every: int = 1  # after those, layer i is MoE when (i + 1) % moe_every == 0 (Qwen decoder_sparse_step)
+    sliding_window: int = 0  # keys each query sees in a sliding-window layer (itself included); 0 = none
+    full_attention_every: int = 0  # with a window: layer i keeps full attention when (i + 1) % n == 0
+    #                                (GPT-OSS 2, Gemma 3 6); 0 = every layer slides
 
     def __post_init__(self) -> None:
         # Fill derived defaults, then validate; frozen, so write through object.__setattr__.
@@ -85,6 +88,11 @@ class ModelSpec:
             require(self.head_dim % 2 == 0, field, getattr(self, field[6:]),
                     f"rope needs an even head size; head_dim = {self.head_dim}")
         self._validate_moe()
+        require(isinstance(self.sliding_window, int) and self.sliding_window >= 0, "model.sliding_window",
+                self.sliding_window, "must be 0 (full attention) or a positive number of tokens")
+        require(isinstance(self.full_attention_every, int) and self.full_attention_every >= 0,
+                "model.full_attention_every", self.full_attention_every,
+                "must be 0 (every layer slides) or n (every n-th layer keeps full attention)")
 
     def _validate_moe(self) -> None:
         require(isinstance(self.experts, int) and self.experts >= 0, "model.experts", self.experts,
@@ -114,6 +122,15 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.experts > 0
+
+    def is_sliding_layer(self, layer: int) -> bool:
+        """Whether block `layer` (0-based) attends within the sliding window only."""
+        every = self.full_attention_every
+        return self.sliding_window > 0 and (every == 0 or (layer + 1) % every != 0)
+
+    @property
+    def sliding_layers(self) -> int:
+        return sum(self.is_sliding_layer(i) for i in range(self.layers))
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block `layer` (0-based) has the MoE block instead of the dense MLP."""
