@@ -238,13 +238,30 @@ def test_check_runnable_cuda_needs_gpus():
 
 
 def test_torchrun_command_repeats_the_run_flags_not_the_layout():
-    from fivefold.cli import build_parser, worker_flags
+    from fivefold.cli import build_parser
 
     args = build_parser().parse_args(["train", "--cluster", "2x8xH100", "--tp", "8", "--steps", "100", "--seed", "3",
                                       "--lr", "1e-3", "--metrics-file", "runs/a/metrics.jsonl", "--resume",
                                       "--checkpoint-dir", "ck", "--nproc", "16", "--max-restarts", "2"])
-    assert torchrun_command("runs/a/plan.toml", worker_flags(args), nnodes=2, nproc_per_node=8) == (
+    assert torchrun_command("runs/a/plan.toml", RunConfig.from_flags(vars(args)).to_flags(), nnodes=2, nproc_per_node=8) == (
         "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 "
         "-m fivefold train --torchrun-worker --plan runs/a/plan.toml --steps 100 --seed 3 --lr 0.001 "
         "--metrics-file runs/a/metrics.jsonl --checkpoint-dir ck --resume")
     assert math.isclose(lr_at(99, 1e-3, 2, 100), 1e-4)
+
+
+def test_run_config_flags_round_trip_through_the_train_parser():
+    from fivefold.cli import build_parser
+
+    config = RunConfig(make_plan(1).to_toml(), steps=7, lr=1e-4, grad_clip=0.5,
+                       trace=True, metrics_file="runs/b/metrics.jsonl", straggler_factor=0.0, keep=1)
+    flags = config.to_flags()
+    assert flags == ["--steps", "7", "--lr", "0.0001", "--grad-clip", "0.5", "--metrics-file", "runs/b/metrics.jsonl",
+                     "--trace", "--keep", "1", "--straggler-factor", "0.0"]
+    parsed = RunConfig.from_flags(vars(build_parser().parse_args(["train", *flags])), plan_toml=config.plan_toml)
+    assert parsed == config
+    parsed.validate()
+    with pytest.raises(SpecError, match="--steps=0: must be at least 1"):
+        RunConfig("", steps=0).validate()
+    with pytest.raises(SpecError, match="--trace=True: needs --metrics-file"):
+        RunConfig("", trace=True).validate()

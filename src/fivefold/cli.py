@@ -264,42 +264,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-# Flags of `train` that describe the launch on this machine, not the run: a torchrun worker does not take them.
-LAUNCH_ONLY_FLAGS = {"nproc", "max_restarts", "json", "plan", "handler", "verb", "torchrun_worker", "help"}
-
-
-def worker_flags(args: argparse.Namespace) -> list[str]:
-    """The run's non-default `train` flags, for the torchrun line (the plan file carries the layout)."""
-    layout_parser = argparse.ArgumentParser(add_help=False)
-    add_spec_flags(layout_parser)
-    add_layout_flags(layout_parser)
-    skip = LAUNCH_ONLY_FLAGS | {action.dest for action in layout_parser._actions}
-    train_parser = build_parser()._subparsers._group_actions[0].choices["train"]
-    flags: list[str] = []
-    for action in train_parser._actions:
-        value = getattr(args, action.dest, None)
-        if action.dest in skip or not action.option_strings or value is None or value == action.default:
-            continue
-        option = max(action.option_strings, key=len)
-        flags += [option] if value is True else [option, str(value)]
-    return flags
-
-
 def cmd_train(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    import dataclasses
 
-    from fivefold.checkpoint.resume import check_checkpoint_flags, plan_for_hf, resume_checkpoint
-    from fivefold.elastic.guard import check_guard_flags
-
-    if args.trace and not args.metrics_file:
-        raise SpecError("--trace", True, "needs --metrics-file RUN/metrics.jsonl: the trace is written next to it")
+    from fivefold.checkpoint.resume import plan_for_hf, resume_checkpoint
     from fivefold.runtime import RunConfig, check_runnable, launch, torchrun_command
-    from fivefold.runtime.launch import (WorkerFailed, check_data, nodes_of, resolve_device, run_torchrun_worker,
-                                         torchrun_world)
+    from fivefold.runtime.launch import (WorkerFailed, check_data, check_launch_flags, nodes_of, prepare_run_dir,
+                                         resolve_device, run_torchrun_worker, torchrun_world)
 
     # Everything that can be wrong with the plan, the flags or the data fails here, before any process starts.
+    config = RunConfig.from_flags(vars(args), progress_to_stderr=args.json)
     plan = plan_from_args(args)
-    check_checkpoint_flags(args.checkpoint_dir, args.checkpoint_every, args.keep, args.resume)
+    config.validate()
+    check_launch_flags(args.max_restarts)
     if args.init_from_hf:  # the folder's config.json decides the model
         plan = plan_for_hf(plan, args.init_from_hf, bool(args.plan), bool(args.layers_per_stage))
     device, gpus = resolve_device(args.device)
@@ -308,15 +285,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     local_nproc = worker_world[1] if worker_world else None
     is_rank0 = worker_world is None or worker_world[2] == 0
     nproc = worker_world[0] if worker_world else args.nproc if args.nproc is not None else plan.world_size
-    check_guard_flags(args.max_loss_spike, args.max_bad_steps)
-    if not args.collective_timeout > 0:
-        raise SpecError("--collective-timeout", args.collective_timeout, "must be a positive number of seconds")
-    if args.max_restarts < 0:
-        raise SpecError("--max-restarts", args.max_restarts, "must be 0 or more")
-    if not (args.straggler_factor == 0 or args.straggler_factor > 1):
-        raise SpecError("--straggler-factor", args.straggler_factor, "must be above 1, or 0 to disable")
-    if args.straggler_patience < 1:
-        raise SpecError("--straggler-patience", args.straggler_patience, "must be at least 1 step")
     if args.resume and nproc != plan.world_size:  # shrinking or growing: a plan for the new world size
         from fivefold.elastic.replan import replan_for_world
         from fivefold.planner import Choices
@@ -328,32 +296,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         if is_rank0:
             print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
     check_runnable(plan, nproc, device, gpus, local_nproc)
-    if args.steps < 1:
-        raise SpecError("--steps", args.steps, "must be at least 1")
     check_data(plan, args.data, args.tokenizer)
     resume_from = resume_checkpoint(plan, args.checkpoint_dir, args.resume, args.seed, args.steps,
                                     warn=lambda line: print(f"warning: {line}", file=sys.stderr))
-    plan_file = args.plan
-    run_dir = None  # events.jsonl, pids/ and recovery.json (fivefold.elastic)
-    if args.metrics_file:  # the run folder keeps its plan, for `fivefold report`
-        run_dir = Path(args.metrics_file).parent
-        if is_rank0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            plan.save(run_dir / "plan.toml")
-        plan_file = plan_file or str(run_dir / "plan.toml")
-    elif args.checkpoint_dir:
-        run_dir = Path(args.checkpoint_dir)
-    if run_dir is not None and is_rank0:
-        (run_dir / "events.jsonl").unlink(missing_ok=True)  # this launch's events only
-    config = RunConfig(plan_toml=plan.to_toml(), steps=args.steps, seed=args.seed, lr=args.lr,
-                       warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, data=args.data,
-                       tokenizer=args.tokenizer, device=device,
-                       metrics_file=args.metrics_file, progress_to_stderr=args.json, trace=args.trace,
-                       checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, keep=args.keep,
-                       resume_from=str(resume_from) if resume_from else None, init_from_hf=args.init_from_hf,
-                       run_dir=str(run_dir) if run_dir else None, max_loss_spike=args.max_loss_spike,
-                       max_bad_steps=args.max_bad_steps, straggler_factor=args.straggler_factor,
-                       straggler_patience=args.straggler_patience, collective_timeout=args.collective_timeout)
+    run_dir, plan_file = prepare_run_dir(plan, config, args.plan, is_rank0)
+    worker_line = config.to_flags()
+    config = dataclasses.replace(config, plan_toml=plan.to_toml(), device=device, run_dir=run_dir,
+                                 resume_from=str(resume_from) if resume_from else None)
     if worker_world:
         summary = run_torchrun_worker(config)
         if summary and args.json:
@@ -361,7 +310,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     info = sys.stderr if args.json else sys.stdout
     nodes, per_node = nodes_of(plan)
-    command = torchrun_command(plan_file or "PLAN.toml", worker_flags(args), nodes, per_node)
+    command = torchrun_command(plan_file or "PLAN.toml", worker_line, nodes, per_node)
     print(f"on several machines, run on each: {command}", file=info, flush=True)
     try:
         summary = launch([config], nproc, max_restarts=args.max_restarts)[0]

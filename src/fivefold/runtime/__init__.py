@@ -5,13 +5,15 @@ ZeRO levels, torch.distributed.pipelining schedules, activation checkpointing, a
     parallelize.py  TP(+SP) -> activation checkpointing -> DP / ZeRO, on one (stage) model
     pipeline.py     stage models cut from the plan's layers per stage, PipelineStage, schedules
     optim.py        AdamW, warmup + cosine, clipping by the global gradient norm
+    config.py       RunConfig: the run's flags, checked once (validate) and written back (to_flags)
     train.py        the training loop of one worker (RunConfig -> summary)
     checkpointing.py  async save, exact resume, resharding to another plan, initial weights from HF
     metrics.py      metrics file, progress bar, MFU, peak memory
     launch.py       pre-launch checks, local worker processes (restarts: fivefold.elastic), the torchrun line
 """
 
+from fivefold.runtime.config import RunConfig
 from fivefold.runtime.launch import check_runnable, launch, torchrun_command
-from fivefold.runtime.train import RunConfig, train
+from fivefold.runtime.train import train
 
 __all__ = ["RunConfig", "check_runnable", "launch", "torchrun_command", "train"]

@@ -34,7 +34,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -53,11 +53,9 @@ from fivefold.checkpoint.layout import (COMMIT_FILE, finalize_checkpoint, prune_
 from fivefold.checkpoint.resume import LAYOUT_FIELDS, TRAIN_STATE, architecture_difference, describe_resume
 from fivefold.data.loader import GlobalBatchLoader
 from fivefold.errors import SpecError
+from fivefold.runtime.config import RunConfig
 from fivefold.runtime.mesh import Mesh
 from fivefold.spec import Plan
-
-if TYPE_CHECKING:
-    from fivefold.runtime.train import RunConfig
 
 Log = Callable[[str], None]  # where rank 0's one-line notes go
 

@@ -10,6 +10,7 @@ import logging
 import os
 import shlex
 import socket
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
@@ -17,6 +18,7 @@ from fivefold.elastic.agent import AgentWatch
 from fivefold.elastic.events import LAUNCHER, EventLog
 from fivefold.elastic.report import build_report, write_report
 from fivefold.errors import SpecError, require
+from fivefold.runtime.config import RunConfig
 from fivefold.spec import Plan
 
 SCHEDULES_NEEDING_STAGES = ("1f1b",)  # torch's Schedule1F1B refuses fewer micro-batches than stages
@@ -113,6 +115,33 @@ def check_data(plan: Plan, data: str | None, tokenizer: str | None) -> None:
             f"has {len(dataset)} tokens; one sequence needs seq_len + 1 = {plan.train.seq_len + 1}")
 
 
+def prepare_run_dir(plan: Plan, config: RunConfig, plan_file: str | None,
+                    is_rank0: bool = True) -> tuple[str | None, str | None]:
+    """The run folder policy: (run folder, plan file for the torchrun line).
+
+    With --metrics-file, its folder is the run folder and keeps the run's plan.toml (for `fivefold report`,
+    and as the plan file of the torchrun line when no --plan was given); otherwise --checkpoint-dir is the run
+    folder. The run folder gets events.jsonl, pids/ and recovery.json (fivefold.elastic); this launch's events
+    only, so rank 0 clears the previous file."""
+    run_dir = None
+    if config.metrics_file:
+        run_dir = Path(config.metrics_file).parent
+        if is_rank0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            plan.save(run_dir / "plan.toml")
+        plan_file = plan_file or str(run_dir / "plan.toml")
+    elif config.checkpoint_dir:
+        run_dir = Path(config.checkpoint_dir)
+    if run_dir is not None and is_rank0:
+        (run_dir / "events.jsonl").unlink(missing_ok=True)
+    return (str(run_dir) if run_dir else None), plan_file
+
+
+def check_launch_flags(max_restarts: int) -> None:
+    """The flags of the launch on this machine (not of the run itself)."""
+    require(max_restarts >= 0, "--max-restarts", max_restarts, "must be 0 or more")
+
+
 class WorkerFailed(Exception):
     """A worker process raised or died; the message is its first error line."""
 
@@ -128,7 +157,7 @@ def free_port() -> int:
 
 
 @record
-def worker_entry(configs: list) -> list[dict]:
+def worker_entry(configs: list[RunConfig]) -> list[dict]:
     """What each worker process runs: the configs one after another in one process group (several
     configs amortise process start-up, e.g. for the parity tests); rank 0 returns their summaries."""
     import torch.distributed as dist
@@ -154,7 +183,7 @@ def worker_entry(configs: list) -> list[dict]:
             dist.destroy_process_group()
 
 
-def launch(configs: list, nproc: int, max_restarts: int = 0) -> list[dict]:
+def launch(configs: list[RunConfig], nproc: int, max_restarts: int = 0) -> list[dict]:
     """Run `configs` (RunConfig) on `nproc` local worker processes; rank 0's summaries.
 
     Raises WorkerFailed when a worker fails (after `max_restarts` restarts).
@@ -223,7 +252,7 @@ def torchrun_world() -> tuple[int, int, int]:
                         "without it on one machine") from None
 
 
-def run_torchrun_worker(config) -> dict | None:
+def run_torchrun_worker(config: RunConfig) -> dict | None:
     """Train this rank inside a world torchrun started; rank 0 returns the summary."""
     import torch.distributed as dist
 

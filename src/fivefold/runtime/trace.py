@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from fivefold.runtime.config import RunConfig
 from fivefold.sim.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 from fivefold.spec import Plan
 
@@ -103,7 +104,7 @@ class StepTracer:
                 (self.run_dir / name).unlink(missing_ok=True)
 
     @classmethod
-    def for_run(cls, config: Any, plan: Plan, rank: int, device: torch.device, schedule: Any = None) -> StepTracer:
+    def for_run(cls, config: RunConfig, plan: Plan, rank: int, device: torch.device, schedule: Any = None) -> StepTracer:
         """The tracer of a training run (RunConfig): records only with config.trace, into the metrics
         file's folder; instruments the pipeline schedule when there is one."""
         tracer = cls(plan, rank, device, config.steps if config.trace else None,

@@ -16,9 +16,7 @@ import dataclasses
 import socket
 import sys
 import time
-import tomllib
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,6 +32,7 @@ from fivefold.elastic.restart import newest_complete, resume_point
 from fivefold.elastic.stragglers import ForwardClock, StragglerWatch, describe_straggler
 from fivefold.models import init_weights
 from fivefold.runtime.checkpointing import Checkpointer, log_to
+from fivefold.runtime.config import RunConfig
 from fivefold.runtime.mesh import Mesh, build_mesh, init_distributed, pick_device
 from fivefold.runtime.metrics import (MetricsFile, Progress, gather_from_ranks, peak_flops, peak_memory_gib,
                                       seconds_since)
@@ -43,42 +42,7 @@ from fivefold.runtime.parallelize import (apply_activation_checkpointing, apply_
 from fivefold.runtime.pipeline import build_schedule, build_stage_model, run_schedule
 from fivefold.runtime.slowdown import slow_down
 from fivefold.runtime.trace import BACKWARD, FORWARD, OPTIMIZER, StepTracer
-from fivefold.spec import Plan, plan_from_dict
-
-
-@dataclass
-class RunConfig:
-    """Everything a worker needs; small and picklable, so the launcher can hand it to each process."""
-
-    plan_toml: str  # the Plan as TOML text
-    steps: int = 10  # optimizer steps
-    seed: int = 0  # seed of the weights and of the data order
-    lr: float = 3e-3  # peak learning rate
-    warmup_steps: int = 2  # linear warmup steps before the cosine decay
-    grad_clip: float = 1.0  # max global gradient norm
-    data: str | None = None  # token file (.bin/.npy) or text file; None = the built-in corpus
-    tokenizer: str | None = None  # HF tokenizer.json for text data; None = bytes
-    device: str = "auto"  # cpu | cuda | auto
-    metrics_file: str | None = None  # JSON lines, written by rank 0
-    show_progress: bool = True  # rank 0 draws progress (bar on a terminal, lines otherwise)
-    progress_to_stderr: bool = False  # keep stdout for a JSON summary
-    trace: bool = False  # time every action of a few steps on every rank (runtime/trace.py)
-    checkpoint_dir: str | None = None  # root of step-XXXXXXXX checkpoints; None = no saving
-    checkpoint_every: int = 0  # save every K steps (and always after the last step); 0 = only at the end
-    keep: int = 3  # complete checkpoints kept (older ones are deleted)
-    checkpoint_async: bool = True  # write in the background; False = training waits for the write
-    resume_from: str | None = None  # a checkpoint folder to continue from (the CLI picks the newest)
-    init_from_hf: str | None = None  # a Hugging Face Llama folder giving the initial weights
-    run_dir: str | None = None  # RUN/events.jsonl and RUN/pids/ (elastic/events.py); None = not recorded
-    max_loss_spike: float = 3.0  # skip the update when the loss exceeds this x the running median; 0 = off
-    max_bad_steps: int = 3  # bad steps in a row before rolling back to the newest checkpoint; 0 = never
-    straggler_factor: float = 1.5  # report a rank computing this much slower than the median; 0 = off
-    straggler_patience: int = 3  # ... for this many steps in a row
-    collective_timeout: float = 600.0  # seconds a collective may wait for a peer before the step fails
-
-    @property
-    def plan(self) -> Plan:
-        return plan_from_dict(tomllib.loads(self.plan_toml))
+from fivefold.spec import Plan
 
 
 class TokenCrossEntropy:

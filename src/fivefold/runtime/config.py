@@ -1,0 +1,98 @@
+"""RunConfig: what one training run needs beyond its Plan, checked once, and written back as `train` flags.
+
+The fields named like a `fivefold train` flag (steps -> --steps, grad_clip -> --grad-clip) ARE those flags:
+`from_flags` reads them from the parsed command line, `validate` checks them, and `to_flags` writes the
+non-default ones back for the torchrun line each worker machine runs. The fields in DERIVED are filled in by
+the launcher (the plan text, the resolved checkpoint, the run folder) and never travel as flags.
+No torch import: the CLI checks a run before anything heavy is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from fivefold.errors import SpecError, require
+from fivefold.spec import Plan, plan_from_dict
+
+
+@dataclass
+class RunConfig:
+    """Everything a worker needs; small and picklable, so the launcher can hand it to each process."""
+
+    plan_toml: str  # the Plan as TOML text
+    steps: int = 10  # optimizer steps
+    seed: int = 0  # seed of the weights and of the data order
+    lr: float = 3e-3  # peak learning rate
+    warmup_steps: int = 2  # linear warmup steps before the cosine decay
+    grad_clip: float = 1.0  # max global gradient norm
+    data: str | None = None  # token file (.bin/.npy) or text file; None = the built-in corpus
+    tokenizer: str | None = None  # HF tokenizer.json for text data; None = bytes
+    device: str = "auto"  # cpu | cuda | auto
+    metrics_file: str | None = None  # JSON lines, written by rank 0
+    show_progress: bool = True  # rank 0 draws progress (bar on a terminal, lines otherwise)
+    progress_to_stderr: bool = False  # keep stdout for a JSON summary
+    trace: bool = False  # time every action of a few steps on every rank (runtime/trace.py)
+    checkpoint_dir: str | None = None  # root of step-XXXXXXXX checkpoints; None = no saving
+    checkpoint_every: int = 0  # save every K steps (and always after the last step); 0 = only at the end
+    keep: int = 3  # complete checkpoints kept (older ones are deleted)
+    checkpoint_async: bool = True  # write in the background; False = training waits for the write
+    resume: bool = False  # --resume: continue from the newest complete checkpoint in checkpoint_dir
+    resume_from: str | None = None  # the checkpoint folder to continue from (the launcher picks the newest)
+    init_from_hf: str | None = None  # a Hugging Face Llama folder giving the initial weights
+    run_dir: str | None = None  # RUN/events.jsonl and RUN/pids/ (elastic/events.py); None = not recorded
+    max_loss_spike: float = 3.0  # skip the update when the loss exceeds this x the running median; 0 = off
+    max_bad_steps: int = 3  # bad steps in a row before rolling back to the newest checkpoint; 0 = never
+    straggler_factor: float = 1.5  # report a rank computing this much slower than the median; 0 = off
+    straggler_patience: int = 3  # ... for this many steps in a row
+    collective_timeout: float = 600.0  # seconds a collective may wait for a peer before the step fails
+
+    # Filled in by the launcher or the caller, never given as a `train` flag.
+    DERIVED = frozenset({"plan_toml", "show_progress", "progress_to_stderr", "checkpoint_async", "resume_from",
+                         "run_dir"})
+
+    @property
+    def plan(self) -> Plan:
+        return plan_from_dict(tomllib.loads(self.plan_toml))
+
+    @classmethod
+    def flag_fields(cls) -> list[str]:
+        """The fields that are `train` flags, in declaration order."""
+        return [f.name for f in dataclasses.fields(cls) if f.name not in cls.DERIVED]
+
+    @classmethod
+    def from_flags(cls, flags: Mapping[str, Any], **derived: Any) -> RunConfig:
+        """A config from parsed `train` flags (e.g. vars(argparse.Namespace)); other keys are ignored."""
+        return cls(**{"plan_toml": "", **{name: flags[name] for name in cls.flag_fields() if name in flags},
+                      **derived})
+
+    def to_flags(self) -> list[str]:
+        """The non-default `train` flags of this run, in field order (the torchrun worker line repeats them)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        flags: list[str] = []
+        for name in self.flag_fields():
+            value = getattr(self, name)
+            if value is None or value is False or value == defaults[name]:
+                continue
+            option = "--" + name.replace("_", "-")
+            flags += [option] if value is True else [option, str(value)]
+        return flags
+
+    def validate(self) -> None:
+        """Raise SpecError (one line) on the first flag that cannot work; the plan is checked elsewhere."""
+        from fivefold.checkpoint.resume import check_checkpoint_flags
+        from fivefold.elastic.guard import check_guard_flags
+
+        if self.trace and not self.metrics_file:
+            raise SpecError("--trace", True, "needs --metrics-file RUN/metrics.jsonl: the trace is written next to it")
+        check_checkpoint_flags(self.checkpoint_dir, self.checkpoint_every, self.keep, self.resume)
+        check_guard_flags(self.max_loss_spike, self.max_bad_steps)
+        require(self.collective_timeout > 0, "--collective-timeout", self.collective_timeout,
+                "must be a positive number of seconds")
+        require(self.straggler_factor == 0 or self.straggler_factor > 1, "--straggler-factor", self.straggler_factor,
+                "must be above 1, or 0 to disable")
+        require(self.straggler_patience >= 1, "--straggler-patience", self.straggler_patience,
+                "must be at least 1 step")
+        require(self.steps >= 1, "--steps", self.steps, "must be at least 1")
