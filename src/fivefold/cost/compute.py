@@ -57,6 +57,7 @@ PROFILES: dict[str, ComputeProfile] = {
     # of a tile's prologue/epilogue are worth proportionally more reduction depth.
     "H100-SXM": ComputeProfile(132, 0.68, 0.70, 0.55, 0.80, 4e-6, 256.0),
     "H100-PCIe": ComputeProfile(114, 0.68, 0.70, 0.55, 0.80, 4e-6, 256.0),
+    "H100-96GB": ComputeProfile(132, 0.68, 0.70, 0.55, 0.80, 4e-6, 256.0),
     "H200": ComputeProfile(132, 0.70, 0.70, 0.55, 0.80, 4e-6, 256.0),
     "B200": ComputeProfile(148, 0.68, 0.70, 0.55, 0.80, 4e-6, 384.0),
     "L40S": ComputeProfile(142, 0.75, 0.65, 0.50, 0.80, 4e-6, 96.0),

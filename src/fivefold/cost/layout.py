@@ -10,7 +10,7 @@ groups through the placement; per-layer costs are cached on everything they depe
 
 from __future__ import annotations
 
-from fivefold.cost.comm import SELF, GroupLink, Topology, topology_of
+from fivefold.cost.comm import SELF, GroupLink, Topology, all_reduce_time, topology_of
 from fivefold.cost.compute import Device
 from fivefold.cost.layer import LayerShape, PassCost, embedding_cost, head_cost, layer_cost, padded_vocab
 from fivefold.cost.memory import layer_activation_bytes, layer_transient_bytes
@@ -103,18 +103,38 @@ def rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
     return envs
 
 
+def _congruent(stride: int, members: int, per_node: int) -> bool:
+    """Whether every group of `members` ranks `stride` apart, starting anywhere a group of the mesh starts,
+    sits on the nodes the same way (so the first group stands for all): each member on its own node, the
+    whole group inside one node, or whole nodes of members."""
+    span = stride * members
+    return stride % per_node == 0 or per_node % span == 0 or (per_node % stride == 0 and span % per_node == 0)
+
+
+GROUPS_CHECKED = 512  # at most this many groups of one dimension are looked at per pipeline rank
+
+
+def _slowest(links: list[GroupLink]) -> GroupLink:
+    """The group whose collectives take longest (a 64 MiB all-reduce as the yardstick): it sets the pace."""
+    return max(links, key=lambda link: (all_reduce_time(2.0**26, link), link.size))
+
+
 def _build_rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
     cluster, dtype = layout.cluster, layout.train.dtype
     homogeneous = cluster.is_homogeneous and not layout.placement
+    per_node = cluster.groups[0].gpus_per_node
+    block_size = layout.dp * layout.cp * layout.tp
+    # Every pp rank's block lies on the nodes the same way when blocks are whole nodes or fit in one.
+    same_blocks = homogeneous and (block_size % per_node == 0 or per_node % block_size == 0)
     envs: list[RankEnv] = []
     devices: dict[int, Device] = {}
     pace = pacing_replica(layout) if layout.replica_micro_batches and not homogeneous else None
     for pp_rank in range(layout.pp):
-        if homogeneous and envs:
+        if same_blocks and envs:
             envs.append(envs[0])
             continue
         first = layout.rank_of(pp=pp_rank)
-        block = range(first, first + layout.dp * layout.cp * layout.tp)
+        block = range(first, first + block_size)
         groups = {topology.group_of[_device_index(layout, r)] for r in block}
         paced = groups if pace is None else {topology.group_of[_device_index(layout, layout.rank_of(
             pp=pp_rank, dp=pace, cp=c, tp=t))] for c in range(layout.cp) for t in range(layout.tp)}
@@ -126,11 +146,31 @@ def _build_rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
         def link(ranks: list[int]) -> GroupLink:
             return topology.group_link([_device_index(layout, r) for r in ranks])
 
-        replicas = [layout.rank_of(pp=pp_rank, dp=i, cp=j) for i in range(layout.dp) for j in range(layout.cp)]
-        ep = layout.ep
-        envs.append(RankEnv(devices[slowest], capacity, link(layout.group_ranks("tp", first)),
-                             link(layout.group_ranks("cp", first)), link(replicas[:ep]) if ep > 1 else SELF,
-                             link(replicas), link(replicas[::ep]) if ep > 1 else link(replicas)))
+        def links_of(stride: int, members: int, starts: list[int]) -> GroupLink:
+            """The slowest of the groups of `members` ranks `stride` apart that start at `starts`: every group
+            of a dimension is costed on the links its ranks use (a tp6 group across two 8-GPU nodes
+            talks over the NIC although the first tp6 group sits inside one node)."""
+            if members <= 1:
+                return SELF
+            if homogeneous and _congruent(stride, members, per_node):
+                starts = starts[:1]
+            return _slowest([link([start + i * stride for i in range(members)]) for start in starts[:GROUPS_CHECKED]])
+
+        tp, cp, ep = layout.tp, layout.cp, layout.ep
+        tp_link = links_of(1, tp, [layout.rank_of(pp=pp_rank, dp=i, cp=j) for i in range(layout.dp)
+                                   for j in range(cp)])
+        cp_link = links_of(tp, cp, [layout.rank_of(pp=pp_rank, dp=i, tp=t) for i in range(layout.dp)
+                                    for t in range(tp)])
+        replicas = [layout.rank_of(pp=pp_rank, dp=i, cp=j) for i in range(layout.dp) for j in range(cp)]
+        replica_links = [link([r + t for r in replicas]) for t in range(
+            1 if homogeneous and _congruent(tp, len(replicas), per_node) else min(tp, GROUPS_CHECKED))]
+        replica_link = _slowest(replica_links)
+        expert_link = SELF
+        expert_replicas = replica_link
+        if ep > 1:
+            expert_link = _slowest([link([r + t for r in replicas[:ep]]) for t in range(len(replica_links))])
+            expert_replicas = _slowest([link([r + t for r in replicas[::ep]]) for t in range(len(replica_links))])
+        envs.append(RankEnv(devices[slowest], capacity, tp_link, cp_link, expert_link, replica_link, expert_replicas))
     return envs
 
 

@@ -3,6 +3,9 @@
 Figures are vendor datasheet numbers for dense (not 2:4 sparse) math:
 - A100: NVIDIA A100 Tensor Core GPU datasheet (2021); DGX A100 has 8x 200 Gb/s HDR per node.
 - H100 SXM / PCIe: NVIDIA H100 datasheet (2023); DGX H100 has 8x 400 Gb/s NDR per node.
+- H100-96GB: the 96 GB HBM2e H100 of Meta's Grand Teton hosts run at a 500 W power limit (TorchTitan's
+  H100 benchmarks): its peaks lie between H100 SXM and NVL, the exact figure unpublished, so the midpoint;
+  six HBM2e stacks as the 80 GB PCIe part has five (2.0 TB/s) give 2.4 TB/s; 400 Gb/s RDMA per GPU.
 - H200: NVIDIA H200 datasheet (2024); same compute as H100 SXM.
 - B200: NVIDIA DGX B200 datasheet (2024), per GPU = system / 8.
 - L40S: NVIDIA L40S datasheet (2023). RTX-4090: NVIDIA Ada architecture whitepaper, Appendix A
@@ -74,6 +77,7 @@ CATALOG: dict[str, DeviceSpec] = {d.name: d for d in [
     _gpu("A100-80GB", 19.5, 156.0, 312.0, None, 80, 2.039, 300, 1600),
     _gpu("H100-SXM", 67.0, 494.7, 989.4, 1978.9, 80, 3.35, 450, 3200),
     _gpu("H100-PCIe", 51.0, 378.0, 756.0, 1513.0, 80, 2.0, 64, 800, link="pcie"),
+    _gpu("H100-96GB", 63.0, 456.0, 912.0, 1824.0, 96, 2.4, 450, 3200),
     _gpu("H200", 67.0, 494.7, 989.4, 1978.9, 141, 4.8, 450, 3200),
     _gpu("B200", 75.0, 1100.0, 2250.0, 4500.0, 180, 8.0, 900, 3200),
     _gpu("L40S", 91.6, 183.0, 362.0, 733.0, 48, 0.864, 32, 400, link="pcie"),
