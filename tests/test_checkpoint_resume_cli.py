@@ -106,9 +106,13 @@ def test_damaged_newest_is_skipped_with_a_warning_and_the_older_one_resumed(tmp_
     before = snapshot(root)
     code, out, err = run_cli(capsys, "--steps", "6", "--checkpoint-dir", str(root), "--resume", "--json")
     assert code == 0
-    assert err.splitlines()[0] == f"warning: skipping checkpoint {newest}: {problem}"
+    # Moved aside, never deleted: the run would otherwise meet it again at step 4 (and prune around it).
+    assert err.splitlines()[0] == (f"warning: checkpoint {newest} is {problem}: moved it aside to "
+                                   f"step-00000004.corrupt (kept, not deleted); resuming from step-00000002")
     assert launched[0][0].resume_from == str(older)
-    assert snapshot(root) == before
+    after = snapshot(root)
+    assert {name.replace("step-00000004.corrupt", "step-00000004"): data for name, data in after.items()} == before
+    assert not newest.exists() and (root / "step-00000004.corrupt").is_dir()
 
 
 def test_resume_with_another_model_names_the_field(tmp_path, capsys, launched):

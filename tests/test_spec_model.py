@@ -86,7 +86,7 @@ def test_changing_hidden_recomputes_derived_width():
     ("layers=2,hidden=64,heads=4,norm=batchnorm", "model.norm", "layernorm, rmsnorm"),
     ("layers=2,hidden=64,heads=4,position=alibi", "model.position", "learned, rope"),
     ("layers=2,hidden=64,heads=4,colour=red", "model.colour", "unknown field"),
-    ("layers=two,hidden=64,heads=4", "model.layers", "expected a int"),
+    ("layers=two,hidden=64,heads=4", "model.layers", "expected an integer"),
     ("layers=2,,hidden=64", "--model", "malformed item"),
     ("layers=2,hidden=64,heads=4,experts=4,top_k=5", "model.top_k", "between 1 and experts=4"),
     ("layers=2,hidden=64,heads=4,top_k=2", "model.top_k", "only MoE"),
@@ -100,7 +100,7 @@ def test_changing_hidden_recomputes_derived_width():
     ("preset=tiny-moe,moe_every=5", "model.moe_every", "no MoE layer"),
     ("layers=2,hidden=64,heads=4,shared_experts=1", "model.shared_experts", "only MoE"),
     ("preset=gpt9,layers=2", "model.preset", "unknown preset"),
-    ("layers=2,hidden=64,heads=4,tied_embeddings=maybe", "model.tied_embeddings", "expected a bool"),
+    ("layers=2,hidden=64,heads=4,tied_embeddings=maybe", "model.tied_embeddings", "expected true or false"),
 ])
 def test_model_errors_name_field_value_and_fix(text, field, words):
     with pytest.raises(SpecError) as info:

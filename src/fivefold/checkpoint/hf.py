@@ -124,9 +124,16 @@ def read_hf_config(folder: Path) -> tuple[dict, ModelSpec]:
         raise SpecError("--from-hf", str(folder), f"no {CONFIG_FILE}; give a local Hugging Face model folder")
     try:
         config = json.loads(file.read_text())
-    except ValueError as exc:
-        raise SpecError(str(file), "(unparsable)", f"not valid JSON ({exc})") from None
-    return config, spec_from_hf_config(config, str(file))
+    except ValueError as exc:  # also not UTF-8
+        raise SpecError(str(file), "(unparsable)", f"not valid JSON ({str(exc)[:80]})") from None
+    if not isinstance(config, dict):
+        raise SpecError(str(file), type(config).__name__, "must be a JSON object of Llama config fields "
+                                                         '(e.g. {"model_type": "llama", "hidden_size": 4096, ...})')
+    try:
+        return config, spec_from_hf_config(config, str(file))
+    except (ValueError, TypeError, AttributeError, ZeroDivisionError) as exc:  # e.g. "hidden_size": "big"
+        raise SpecError(str(file), "a field", f"has a value of the wrong kind ({exc}); write numbers as "
+                                              "JSON numbers") from None
 
 
 def _weight_files(folder: Path) -> dict[Path, list[str] | None]:

@@ -133,6 +133,27 @@ def newest_checkpoint(root: str | Path, verify_hashes: bool = True) -> Path | No
     return None
 
 
+def set_aside_corrupted(root: str | Path, newer_than: int) -> list[tuple[Path, Path, str]]:
+    """Rename every committed but corrupted step folder after step `newer_than` to step-XXXXXXXX.corrupt
+    (never deleted: the files may still be worth a look). A run resumed from an older checkpoint would
+    otherwise meet it again when it reaches that step, and pruning would count it as complete.
+    Returns (old path, new path, problem) for each folder moved."""
+    moved = []
+    for step, path in _step_dirs(Path(root)):
+        if step <= newer_than or not (path / COMMIT_FILE).is_file():
+            continue  # folders without COMMIT are a dead save's leftovers; the next save clears them
+        problem = checkpoint_problem(path)
+        if problem is None:
+            continue
+        target, copy = path.with_name(f"{path.name}.corrupt"), 1
+        while target.exists():
+            copy += 1
+            target = path.with_name(f"{path.name}.corrupt-{copy}")
+        os.rename(path, target)
+        moved.append((path, target, problem))
+    return moved
+
+
 def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
     """Delete all but the newest `keep` complete checkpoints (never an incomplete newer one); returns the deleted."""
     complete = complete_checkpoints(root, verify_hashes=False)

@@ -3,8 +3,8 @@
 A training checkpoint (runtime/checkpointing.py writes it) is a step folder of layout.py whose
 fivefold.json carries the run's `train_state`: the step, the loader position (samples_seen, counted in
 sequences over the whole run, so independent of the plan) and the learning-rate schedule. Everything
-here reads only JSON and DCP metadata, never a tensor, and never writes: a refused resume leaves the
-checkpoint directory exactly as it was.
+here reads only JSON and DCP metadata, never a tensor; a refused resume leaves the checkpoint directory
+exactly as it was, and an accepted one only renames corrupted newer checkpoints (step-XXXXXXXX.corrupt).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import dataclasses
 import warnings
 from pathlib import Path
 
-from fivefold.checkpoint.layout import INFO_FILE, CheckpointWarning, newest_checkpoint, read_checkpoint_info
+from fivefold.checkpoint.layout import (INFO_FILE, STEP_RE, CheckpointWarning, newest_checkpoint, read_checkpoint_info,
+                                        set_aside_corrupted)
 from fivefold.errors import SpecError, require
 from fivefold.spec import ModelSpec, Plan
 
@@ -118,11 +119,22 @@ def resume_checkpoint(plan: Plan, checkpoint_dir: str | None, resume: bool, seed
         refuse_existing_checkpoints(checkpoint_dir)
         return None
     path, skipped = find_resume_checkpoint(checkpoint_dir)
-    for line in skipped:
-        warn(line)
     check_resumable(path, plan, seed, steps)
     check_model_tensors(path, plan.model)
+    # Only now, when the resume is sure to start, touch the folder: a corrupted newer checkpoint goes aside.
+    moved = set_aside_corrupted(checkpoint_dir, newer_than=check_step(path))
+    lines = [line for line in skipped if not any(str(old) in line for old, _, _ in moved)]
+    lines += [f"checkpoint {old} is {problem}: moved it aside to {new.name} (kept, not deleted); resuming from "
+              f"{path.name}" for old, new, problem in moved]
+    for line in lines:
+        warn(line)
     return path
+
+
+def check_step(path: Path) -> int:
+    """The step number of a step-XXXXXXXX folder."""
+    match = STEP_RE.match(path.name)
+    return int(match.group(1)) if match else 0
 
 
 def check_model_tensors(path: Path, spec: ModelSpec) -> None:

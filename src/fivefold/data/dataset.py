@@ -34,6 +34,19 @@ class TokenDataset:
         self.name = name  # the path (or "builtin") for messages and checkpoint metadata
         self.vocab_size = vocab_size  # size of the tokenizer's vocabulary when known
 
+    def check_ids(self, model_vocab: int, chunk: int = 1 << 24) -> None:
+        """Every token id is in [0, model_vocab): an id outside would index past the embedding table inside
+        a worker. Scans the (memory-mapped) file in chunks, so memory stays flat for any file size."""
+        low, high = 0, 0
+        for start in range(0, len(self.tokens), chunk):
+            block = self.tokens[start:start + chunk]
+            low, high = min(low, int(block.min())), max(high, int(block.max()))
+        if low < 0:
+            raise SpecError("--data", self.name, f"holds a negative token id ({low}); token ids are 0 .. vocab-1")
+        if high >= model_vocab:
+            raise SpecError("--data", self.name, f"holds token id {high} but model.vocab={model_vocab}; use a "
+                                                 f"model with vocab >= {high + 1}, or data from a smaller tokenizer")
+
     def check_vocab(self, model_vocab: int) -> None:
         """Refuse a model whose embedding table is smaller than the tokenizer that made these tokens."""
         if self.vocab_size is not None and self.vocab_size > model_vocab:
@@ -100,19 +113,60 @@ def write_token_file(text_path: str | Path, out_path: str | Path, tokenizer: Tok
                          "source_mtime_ns": stat.st_mtime_ns})
 
 
+def _not_a_file(path: Path) -> SpecError:
+    if path.is_dir():
+        return SpecError("--data", str(path), "is a folder; give a token file (.bin/.npy) or a UTF-8 text file")
+    return SpecError("--data", str(path), "no such file; give a .bin/.npy token file or a UTF-8 text file")
+
+
+def _read_npy(path: Path) -> TokenDataset:
+    """A .npy token array, memory-mapped; never unpickled (a .npy of Python objects is refused)."""
+    with open(path, "rb") as handle:
+        if handle.read(6) != b"\x93NUMPY":
+            raise SpecError("--data", str(path), "not a .npy file (no NumPy header); give a 1-D integer .npy, or "
+                                                 "a .bin token file")
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        reason = str(exc).split(".")[0].strip() or type(exc).__name__
+        raise SpecError("--data", str(path), f"not a NumPy array of token ids ({reason}); give a 1-D integer "
+                                             ".npy, or a .bin token file") from None
+    if not isinstance(tokens, np.ndarray):
+        raise SpecError("--data", str(path), "not a single NumPy array (an .npz archive?); give a 1-D integer .npy")
+    if tokens.size == 0:
+        raise SpecError("--data", str(path), "the token array is empty")
+    return TokenDataset(tokens, str(path))
+
+
+def _read_sidecar(path: Path) -> dict:
+    """NAME.json beside NAME.bin: {"dtype": "uint16" | "uint32", "tokens": N, "vocab_size": V, ...}."""
+    sidecar = _sidecar(path)
+    if not sidecar.is_file():
+        return {}
+    try:
+        meta = json.loads(sidecar.read_text())
+    except (ValueError, OSError) as exc:  # UnicodeDecodeError is a ValueError
+        raise SpecError(str(sidecar), "unreadable", f"not a JSON sidecar ({str(exc).splitlines()[0][:80]}); fix it "
+                                                    f"or delete it (then {path.name} is read as uint16)") from None
+    if not isinstance(meta, dict):
+        raise SpecError(str(sidecar), type(meta).__name__, 'must be a JSON object, e.g. {"dtype": "uint16"}')
+    for key in ("tokens", "vocab_size"):
+        value = meta.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise SpecError(f"{sidecar}:{key}", value, "must be a positive integer")
+    return meta
+
+
 def read_token_file(path: str | Path) -> TokenDataset:
     """Memory-map a .bin (with its .json sidecar) or .npy token file."""
     path = Path(path)
     if not path.is_file():
-        raise SpecError("--data", str(path), "no such file")
+        raise _not_a_file(path)
     if path.suffix == ".npy":
-        tokens = np.load(path, mmap_mode="r")
-        return TokenDataset(tokens, str(path))
-    meta = {}
-    if _sidecar(path).is_file():
-        meta = json.loads(_sidecar(path).read_text())
+        return _read_npy(path)
+    meta = _read_sidecar(path)
     dtype = meta.get("dtype", "uint16")
-    if dtype not in TOKEN_DTYPES:
+    if not isinstance(dtype, str) or dtype not in TOKEN_DTYPES:
         raise SpecError(f"{_sidecar(path)}:dtype", dtype, f"use one of {', '.join(TOKEN_DTYPES)}")
     itemsize = np.dtype(dtype).itemsize
     size = path.stat().st_size
@@ -120,6 +174,9 @@ def read_token_file(path: str | Path) -> TokenDataset:
         raise SpecError("--data", str(path), f"size {size} bytes is not a whole number of {dtype} tokens")
     if size == 0:
         raise SpecError("--data", str(path), "the token file is empty")
+    if meta.get("tokens") is not None and meta["tokens"] != size // itemsize:
+        raise SpecError(f"{_sidecar(path)}:tokens", meta["tokens"], f"but {path.name} holds {size // itemsize} "
+                                                                  f"{dtype} tokens; the files do not belong together")
     return TokenDataset(np.memmap(path, dtype=dtype, mode="r"), str(path), meta.get("vocab_size"))
 
 
@@ -132,7 +189,7 @@ def open_dataset(path: str | None, tokenizer: Tokenizer | None = None) -> TokenD
     if file.suffix in (".bin", ".npy"):
         return read_token_file(file)
     if not file.is_file():
-        raise SpecError("--data", path, "no such file; give a .bin/.npy token file or a UTF-8 text file")
+        raise _not_a_file(file)
     cache = file.with_name(f"{file.name}.{tokenizer.name}.bin")
     stat = file.stat()
     meta = json.loads(_sidecar(cache).read_text()) if _sidecar(cache).is_file() and cache.is_file() else {}

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from fivefold.cost.stack import STACKS, SoftwareStack
 from fivefold.errors import SpecError
+from fivefold.spec.checks import check_count
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import divisors
@@ -41,6 +42,15 @@ class Choices:
     sequence_parallel: bool | None = None
     zero: int | None = None
     layers_per_stage: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        # A fixed choice of 0 or less is a mistake, never "search over it" (that is None).
+        for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "virtual_stages"):
+            value = getattr(self, name)
+            if value is not None:
+                check_count(value, f"--{name.replace('_', '-')}")
+        if self.zero is not None:
+            check_count(self.zero, "--zero", minimum=0, limit=3)
 
 
 def _allowed(value: int, fixed: int | None) -> bool:

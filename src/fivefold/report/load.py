@@ -43,7 +43,13 @@ class Run:
 
 
 def _read_jsonl(path: Path, what: str) -> list[dict]:
-    lines = path.read_text().splitlines()
+    try:
+        lines = path.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise SpecError(str(path), f"byte {exc.start}", f"is not text; a {what} holds one JSON object per line "
+                                                        "(is this the file `fivefold train` wrote?)") from None
+    except OSError as exc:
+        raise SpecError(str(path), "unreadable", exc.strerror or str(exc)) from None
     rows = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -109,8 +115,9 @@ def load_run(path: str | Path) -> Run:
     records = _last_history(records)
     for name in ("peak_memory_gib_per_rank", "step_time_s_per_rank"):
         for record in records:
-            if name in record and len(record[name]) != plan.world_size:
-                raise SpecError(f"{metrics_path}: step {record['step']} {name}", len(record[name]),
+            if name in record and (not isinstance(record[name], list) or len(record[name]) != plan.world_size):
+                raise SpecError(f"{metrics_path}: step {record['step']} {name}",
+                                len(record[name]) if isinstance(record[name], list) else record[name],
                                 f"needs one value per rank of the plan ({plan.world_size}): is plan.toml this run's?")
     warmup = min(WARMUP_STEPS, len(records) - 1)
     trace_path = metrics_path.parent / TRACE_FILE

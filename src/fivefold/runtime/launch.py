@@ -113,6 +113,7 @@ def check_data(plan: Plan, data: str | None, tokenizer: str | None) -> None:
                 f"was tokenized with {dataset.vocab_size} tokens but model.vocab={plan.model.vocab}")
     require(len(dataset) > plan.train.seq_len, "--data", dataset.name,
             f"has {len(dataset)} tokens; one sequence needs seq_len + 1 = {plan.train.seq_len + 1}")
+    dataset.check_ids(plan.model.vocab)  # an id past the embedding table fails only inside a worker
 
 
 def prepare_run_dir(plan: Plan, config: RunConfig, plan_file: str | None,

@@ -11,11 +11,13 @@ plus `between_groups` (bandwidth per node between two groups) and `between_group
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from fivefold.errors import SpecError, require
+from fivefold.spec.checks import MAX_DEVICES, check_count, check_table, is_real
 from fivefold.spec.devices import CATALOG, DeviceSpec, device_named
 from fivefold.spec.units import (format_bandwidth, format_size, format_time, parse_bandwidth, parse_size, parse_time,
                                  read_toml_file)
@@ -75,13 +77,14 @@ class Calibration:
 
 
 def calibration_from_dict(data: dict, where: str) -> Calibration:
+    check_table(data, f"{where}.calibration", "write a table as `fivefold profile` does; regenerate the file")
     try:
         gemm = tuple((int(p["m"]), int(p["n"]), int(p["k"]), str(p["dtype"]), float(p["flops_per_s"]))
                      for p in data.get("gemm", []))
         collectives = tuple((str(p["collective"]), int(p["ranks"]), int(p["message_bytes"]), float(p["seconds"]))
                             for p in data.get("collective", []))
         processes, threads = int(data.get("processes", 0)), int(data.get("threads", 0))
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise SpecError(f"{where}.calibration", type(exc).__name__, f"malformed measured point ({exc}); "
                         "regenerate the file with `fivefold profile`") from None
     host = None
@@ -92,7 +95,7 @@ def calibration_from_dict(data: dict, where: str) -> Calibration:
         for key, value in table.items():
             require(key in HOST_COST_FIELDS, f"{where}.calibration.host.{key}", value,
                     f"unknown key; known: {', '.join(HOST_COST_FIELDS)}")
-            require(isinstance(value, (int, float)) and value >= 0, f"{where}.calibration.host.{key}", value,
+            require(is_real(value) and value >= 0, f"{where}.calibration.host.{key}", value,
                     "must be a non-negative number of seconds")
         host = HostCosts(**{key: float(value) for key, value in table.items()})
     return Calibration(gemm, collectives, str(data.get("source", "")), host, processes, threads)
@@ -147,6 +150,9 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         require(len(self.groups) > 0, "cluster", "", "needs at least one group")
+        # Before anything lists the devices (slots, placement): answer an absurd size at once.
+        require(self.world_size <= MAX_DEVICES, "cluster", self.label,
+                f"has {self.world_size:,} devices; fivefold plans clusters of up to {MAX_DEVICES:,}")
 
     @property
     def world_size(self) -> int:
@@ -218,16 +224,16 @@ class ClusterSpec:
 
 def _parse_speed(value: object, where: str) -> float:
     try:
-        speed = float(value)  # type: ignore[arg-type]
+        speed = float(value) if not isinstance(value, bool) else 0.0  # type: ignore[arg-type]
     except (TypeError, ValueError):
         speed = 0.0
-    require(speed > 0, where, value, "write a positive factor on peak FLOP/s and memory bandwidth, e.g. 0.5")
+    require(math.isfinite(speed) and speed > 0, where, value, "write a positive factor on peak FLOP/s and memory bandwidth, e.g. 0.5")
     return speed
 
 
 def _make_group(nodes: int, gpus: int, device: DeviceSpec, settings: dict, where: str) -> NodeGroup:
-    require(nodes > 0, f"{where}.nodes", nodes, "must be a positive integer")
-    require(gpus > 0, f"{where}.gpus_per_node", gpus, "must be a positive integer")
+    check_count(nodes, f"{where}.nodes", limit=MAX_DEVICES)
+    check_count(gpus, f"{where}.gpus_per_node", limit=MAX_DEVICES)
     changes: dict = {}
     if "mem" in settings:
         changes["memory_bytes"] = parse_size(settings["mem"], f"{where}.mem")
@@ -235,7 +241,7 @@ def _make_group(nodes: int, gpus: int, device: DeviceSpec, settings: dict, where
         changes["memory_bandwidth"] = parse_bandwidth(settings["memory_bandwidth"], f"{where}.memory_bandwidth")
     if "peak_tflops" in settings:
         table = settings["peak_tflops"]
-        require(isinstance(table, dict) and all(isinstance(v, (int, float)) and v > 0 for v in table.values()),
+        require(isinstance(table, dict) and all(is_real(v) and v > 0 for v in table.values()),
                 f"{where}.peak_tflops", table, "write a table of dtype = positive TFLOP/s")
         changes["peak_flops"] = {k: float(v) * 1e12 for k, v in table.items()}
     if "speed" in settings:
@@ -282,18 +288,20 @@ def parse_cluster_shorthand(text: str) -> ClusterSpec:
 
 
 def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
+    check_table(data, where, "write [[cluster.group]] tables with nodes, gpus_per_node, device")
     entries = data.get("group")
-    require(isinstance(entries, list) and len(entries) > 0, f"{where}.group", entries,
-            "write one or more [[cluster.group]] tables with nodes, gpus_per_node, device")
+    shape = "write one or more [[cluster.group]] tables with nodes, gpus_per_node, device"
+    require(isinstance(entries, list) and len(entries) > 0, f"{where}.group", entries, shape)
     allowed = set(GROUP_KEYS) | {"nodes", "gpus_per_node", "device", "peak_tflops", "memory_bandwidth", "calibration"}
     groups = []
     for index, entry in enumerate(entries):
         here = f"{where}.group[{index}]"
+        check_table(entry, here, shape)
         for key in entry:
             require(key in allowed, f"{here}.{key}", entry[key], f"unknown key; known: {', '.join(sorted(allowed))}")
         require("device" in entry, f"{here}.device", None, f"missing; known: {', '.join(CATALOG)}")
         device = device_named(str(entry["device"]), field_name=f"{here}.device")
-        groups.append(_make_group(int(entry.get("nodes", 1)), int(entry.get("gpus_per_node", device.gpus_per_node)),
+        groups.append(_make_group(entry.get("nodes", 1), entry.get("gpus_per_node", device.gpus_per_node),
                                   device, entry, here))
     between = data.get("between_groups")
     between_latency = data.get("between_groups_latency")

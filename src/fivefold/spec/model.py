@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fivefold.errors import SpecError, require
+from fivefold.spec.checks import MAX_COUNT, check_field_types, check_table, divisors
 from fivefold.spec.units import read_toml_file
 
 MLP_KINDS = ("gelu", "swiglu")
@@ -57,6 +58,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         # Fill derived defaults, then validate; frozen, so write through object.__setattr__.
+        check_field_types(self, "model")  # before the derived defaults compute with the values
         if self.kv_heads == 0:
             object.__setattr__(self, "kv_heads", self.heads)
         if self.head_dim == 0 and isinstance(self.heads, int) and self.heads > 0 and self.hidden % self.heads == 0:
@@ -69,9 +71,15 @@ class ModelSpec:
         self.validate()
 
     def validate(self) -> None:
+        check_field_types(self, "model")
         for name in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "max_seq_len"):
             value = getattr(self, name)
-            require(isinstance(value, int) and value > 0, f"model.{name}", value, "must be a positive integer")
+            require(value > 0, f"model.{name}", value, "must be a positive integer")
+            require(value <= MAX_COUNT, f"model.{name}", value,
+                    f"must be at most {MAX_COUNT:,}; a larger value is not a real model")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            require(value > 0, f"model.{name}", value, "must be a positive finite number")
         require(self.mlp in MLP_KINDS, "model.mlp", self.mlp, f"use one of {', '.join(MLP_KINDS)}")
         require(self.norm in NORM_KINDS, "model.norm", self.norm, f"use one of {', '.join(NORM_KINDS)}")
         require(self.position in POSITION_KINDS, "model.position", self.position,
@@ -80,9 +88,9 @@ class ModelSpec:
                 f"must be divisible by heads={self.heads} (or set model.head_dim)")
         require(isinstance(self.head_dim, int) and self.head_dim > 0, "model.head_dim", self.head_dim,
                 "must be a positive integer (0 means hidden/heads)")
-        divisors = [d for d in range(1, self.heads + 1) if self.heads % d == 0]
-        require(self.heads % self.kv_heads == 0, "model.kv_heads", self.kv_heads,
-                f"must divide heads={self.heads}; valid: {', '.join(map(str, divisors))}")
+        if self.heads % self.kv_heads:
+            raise SpecError("model.kv_heads", self.kv_heads,
+                            f"must divide heads={self.heads}; valid: {', '.join(map(str, divisors(self.heads)))}")
         if self.position == "rope":
             field = "model.hidden" if self.head_dim * self.heads == self.hidden else "model.head_dim"
             require(self.head_dim % 2 == 0, field, getattr(self, field[6:]),
@@ -241,7 +249,8 @@ def _coerce(key: str, raw: object) -> object:
                 return False
             raise ValueError
     except ValueError:
-        raise SpecError(f"model.{key}", raw, f"expected a {kind}") from None
+        word = {"int": "an integer", "float": "a number", "bool": "true or false"}.get(str(kind), str(kind))
+        raise SpecError(f"model.{key}", raw, f"expected {word}") from None
     return raw
 
 
@@ -277,7 +286,10 @@ def parse_model(text: str) -> ModelSpec:
         return PRESETS[text]
     if text.endswith(".toml") or Path(text).is_file():
         data = read_toml_file(text, "--model")
-        data = data.get("model", data)
+        data = check_table(data.get("model", data), f"{text}:model", "write a [model] table of fields, "
+                           "e.g. layers = 2")
+        require(bool(data), "--model", text, "the file has no model fields; write a [model] table, e.g. "
+                "preset = \"tiny\" or layers = 2, hidden = 64, heads = 4, vocab = 256")
         base = _preset_named(data.get("preset"))
         return model_from_dict(data, base)
     if "=" in text:
@@ -296,6 +308,6 @@ def parse_model(text: str) -> ModelSpec:
 def _preset_named(name: object) -> ModelSpec | None:
     if name is None:
         return None
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         raise SpecError("model.preset", name, f"unknown preset; known: {', '.join(PRESETS)}")
     return PRESETS[name]

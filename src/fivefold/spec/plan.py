@@ -11,7 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from fivefold.errors import require
+from fivefold.errors import SpecError, require
+from fivefold.spec.checks import MAX_COUNT, check_table, divisors, is_int
 from fivefold.spec.cluster import ClusterSpec, cluster_from_dict
 from fivefold.spec.model import ModelSpec, model_from_dict
 from fivefold.spec.train import TrainSpec, train_from_dict
@@ -22,10 +23,6 @@ MESH_DIMS = ("pp", "dp", "cp", "tp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
 RECOMPUTE = ("none", "selective", "full")
 ZERO_LEVELS = (0, 1, 2, 3)
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def default_layers_per_stage(layers: int, stages: int) -> tuple[int, ...]:
@@ -61,6 +58,7 @@ class Plan:
     version: int = PLAN_VERSION  # format version of this record
 
     def __post_init__(self) -> None:
+        self.check_degrees()  # before anything computes with them
         if not self.layers_per_stage and self.model.layers >= self.num_stages > 0:
             object.__setattr__(self, "layers_per_stage",
                                default_layers_per_stage(self.model.layers, self.num_stages))
@@ -134,11 +132,26 @@ class Plan:
         return text + (" sp" if self.sequence_parallel else "")
 
     # --- validation ---------------------------------------------------------------------------
+    def check_degrees(self) -> None:
+        """Integers (not booleans or floats) in range, so the derived quantities can be computed."""
+        for dim in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "virtual_stages", "zero", "version"):
+            value = getattr(self, dim)
+            require(is_int(value), f"plan.{dim}", value, f"must be an integer, not a {type(value).__name__}")
+            if dim not in ("zero", "version"):
+                require(value >= 1, f"plan.{dim}", value, "must be an integer >= 1")
+                require(value <= MAX_COUNT, f"plan.{dim}", value, f"must be at most {MAX_COUNT:,}")
+        require(isinstance(self.sequence_parallel, bool), "plan.sequence_parallel", self.sequence_parallel,
+                "must be true or false")
+        for name in ("layers_per_stage", "placement", "replica_micro_batches"):
+            values = getattr(self, name)
+            require(isinstance(values, (list, tuple)), f"plan.{name}", values, "must be a list of integers")
+            for value in values:
+                require(is_int(value), f"plan.{name}", list(values)[:16], "must be a list of integers")
+        require(len(self.placement) <= MAX_COUNT, "plan.placement", len(self.placement), "is far too long")
+
     def validate(self) -> None:
         m, t = self.model, self.train
-        for dim in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "virtual_stages"):
-            value = getattr(self, dim)
-            require(isinstance(value, int) and value >= 1, f"plan.{dim}", value, "must be an integer >= 1")
+        self.check_degrees()
         require(self.version == PLAN_VERSION, "plan.version", self.version,
                 f"this fivefold reads plan version {PLAN_VERSION}")
         world = self.cluster.world_size
@@ -152,9 +165,10 @@ class Plan:
         ffn = m.expert_ffn_hidden if m.is_moe else m.ffn_hidden
         require(ffn % self.tp == 0, "plan.tp", self.tp, f"must divide the MLP width {ffn}")
         require(t.seq_len % self.cp == 0, "plan.cp", self.cp, f"must divide train.seq_len={t.seq_len}")
-        if m.position == "learned":
-            require(t.seq_len <= m.max_seq_len, "train.seq_len", t.seq_len,
-                    f"longer than the learned position table (model.max_seq_len={m.max_seq_len})")
+        if t.seq_len > m.max_seq_len:
+            table = "the learned position table" if m.position == "learned" else "what the model is built for"
+            raise SpecError("train.seq_len", t.seq_len, f"longer than {table} (model.max_seq_len={m.max_seq_len}); "
+                            f"use --seq-len {m.max_seq_len} or less, or a model with a larger max_seq_len")
         if m.is_moe:
             require((self.dp * self.cp) % self.ep == 0, "plan.ep", self.ep,
                     f"must divide dp*cp={self.dp * self.cp} (experts are spread over data-parallel ranks)")
@@ -231,8 +245,9 @@ class Plan:
 
 
 def plan_from_dict(data: dict) -> Plan:
+    check_table(data, "plan", "a plan file is a TOML document with [plan], [model], [train] and [cluster] tables")
     for key in ("plan", "model", "train", "cluster"):
-        require(isinstance(data.get(key), dict), key, None, f"the plan file needs a [{key}] table")
+        require(isinstance(data.get(key), dict), key, data.get(key), f"the plan file needs a [{key}] table")
     fields = dict(data["plan"])
     expected_micro_batches = fields.pop("num_micro_batches", None)
     known = {f.name for f in dataclasses.fields(Plan)} - {"model", "cluster", "train", "version"}
@@ -240,6 +255,7 @@ def plan_from_dict(data: dict) -> Plan:
         require(key in known, f"plan.{key}", fields[key], f"unknown field; known: {', '.join(sorted(known))}")
     for key in ("layers_per_stage", "placement", "replica_micro_batches"):
         if key in fields:
+            require(isinstance(fields[key], list), f"plan.{key}", fields[key], "must be a list of integers")
             fields[key] = tuple(fields[key])
     plan = Plan(model=model_from_dict(data["model"]), cluster=cluster_from_dict(data["cluster"]),
                 train=train_from_dict(data["train"]), version=data.get("version", PLAN_VERSION), **fields)

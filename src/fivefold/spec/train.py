@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from fivefold.errors import SpecError, require
+from fivefold.spec.checks import check_count
 
 DTYPES = ("bf16", "fp16", "fp32", "fp8")
 OPTIMIZERS = ("adamw",)
@@ -20,12 +21,10 @@ class TrainSpec:
     optimizer: str = "adamw"  # only AdamW for now
 
     def __post_init__(self) -> None:
-        require(isinstance(self.seq_len, int) and self.seq_len > 0, "train.seq_len", self.seq_len,
-                "must be a positive integer")
-        require(isinstance(self.global_batch, int) and self.global_batch > 0, "train.global_batch",
-                self.global_batch, "must be a positive integer (sequences per step)")
-        require(self.dtype in DTYPES, "train.dtype", self.dtype, f"use one of {', '.join(DTYPES)}")
-        require(self.optimizer in OPTIMIZERS, "train.optimizer", self.optimizer,
+        check_count(self.seq_len, "train.seq_len")
+        check_count(self.global_batch, "train.global_batch", what="sequences per step")
+        require(isinstance(self.dtype, str) and self.dtype in DTYPES, "train.dtype", self.dtype, f"use one of {', '.join(DTYPES)}")
+        require(isinstance(self.optimizer, str) and self.optimizer in OPTIMIZERS, "train.optimizer", self.optimizer,
                 f"use one of {', '.join(OPTIMIZERS)}")
 
     @property

@@ -5,6 +5,7 @@ Everything is stored in SI base units: bytes/s, bytes, seconds.
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from pathlib import Path
@@ -33,8 +34,8 @@ def _parse(text: str | float | int, field: str, units: dict[str, float], default
         value, unit = float(match.group(1)), match.group(2) or default_unit
     if unit not in units:
         raise SpecError(field, text, f"unknown unit {unit!r}; use one of {', '.join(units)}")
-    if value <= 0:
-        raise SpecError(field, text, "must be positive")
+    if not math.isfinite(value) or value <= 0:
+        raise SpecError(field, text, "must be positive (and finite)")
     scale = units[unit]
     # Divide by whole reciprocals so '5us' is exactly the float 5e-6 and files round-trip unchanged.
     return value / round(1 / scale) if scale < 1 else value * scale
