@@ -69,6 +69,34 @@ def test_timeline_png_is_written(tmp_path) -> None:
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
 
 
+def test_big_step_is_drawn_as_aggregated_spans_and_traced_in_full(tmp_path) -> None:
+    """pp=2, 1,200 micro-batches: 3,600 bars per rank, past AGGREGATE_ABOVE. Each rank becomes a few busy and
+    communication spans covering its busy time; the trace still has one event per action."""
+    from fivefold.sim.timeline import AGGREGATE_ABOVE, COMM, PIXELS_ACROSS, aggregated_bars
+
+    stage = StageTimes(1e-3, 1e-3, 0.0, send_activation=2e-4)
+    result = simulate(StepInput("1f1b", 2, 1, 1200, (stage, stage), optimizer=(1e-2, 1e-2)))
+    assert sum(e.rank == 0 for e in result.events) > AGGREGATE_ABOVE
+    bars = aggregated_bars(result)
+    pixel = result.step_time_s / PIXELS_ACROSS
+    for rank in result.ranks:
+        row = 1 - rank.rank  # rank 0 on top
+        busy = sorted((x, x + w) for (y, _, _, group), spans in bars.items() if group == "busy" and int(y) == row
+                      for x, w in spans)
+        comm = [w for (y, _, _, group), spans in bars.items() if group == COMM and int(y) == row for _, w in spans]
+        assert 1 <= len(busy) <= 10 and 1 <= len(comm) <= PIXELS_ACROSS
+        # Every action lies inside a busy span; what is left white between spans is at least a pixel wide.
+        for event in result.events:
+            if event.rank == rank.rank and event.lane == "compute":
+                assert any(a - 1e-12 <= event.start and event.end <= b + 1e-12 for a, b in busy)
+        assert all(b[0] - a[1] >= pixel for a, b in zip(busy, busy[1:]))
+        assert rank.busy_s <= sum(b - a for a, b in busy) <= result.step_time_s
+    path = write_timeline_png(result, tmp_path / "timeline.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trace = json.loads(write_chrome_trace(result, tmp_path / "trace.json").read_text())
+    assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == len(result.events) == 2 * (2 * 1200 + 1200 + 1)
+
+
 def plan_of(cluster: str, **layout) -> Plan:
     return Plan(model=PRESETS["tiny"], cluster=parse_cluster(cluster), train=TrainSpec(global_batch=8, dtype="fp32"),
                 **layout)

@@ -6,6 +6,17 @@ a backward the next stage's gradient, a W pass its own I pass. Actions are taken
 time across all ranks, so shared resources (the send links, the collective stream) serve requests in
 the order they happen, as a discrete-event simulation does.
 
+How it runs (cost linear in the number of actions A = p * v * m * passes):
+- a priority queue holds the ready actions, at most one per rank (its next one), keyed by (start, rank);
+  the engine pops the earliest, runs it, and publishes what it produces (an activation or gradient arriving
+  at a time, an I pass done).
+- a rank whose next action's input is not produced yet is parked under that input's key; publishing the key
+  wakes exactly that rank. No rank is ever polled.
+- so each action is visited at most three times (offered when it becomes its rank's next, woken once,
+  popped once) and costs O(log p) for the queue: time O(A log p), memory O(A) for the events.
+  `SimResult.visits` counts the visits; tests/test_sim_engine.py checks the bound and that doubling the
+  micro-batches doubles them.
+
 Communication runs beside compute, as the runtime issues it:
 - point-to-point: a finished forward (backward) ships its activation (gradient) asynchronously on the
   sender's link towards the next (previous) rank; the receiver's action waits for its arrival. Sends in one
@@ -43,13 +54,16 @@ buffers) plus the activation bytes of every micro-batch from the start of its fo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from heapq import heappop, heappush
+from operator import itemgetter
+from typing import NamedTuple
 
 from fivefold.errors import SpecError
 from fivefold.sim.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SPLIT_BACKWARD, Action,
                                     rank_orders, stage_owners)
+from fivefold.sim.summary import COMPUTE_KINDS, RankResult, rank_result  # noqa: F401 (COMPUTE_KINDS: re-exported)
 
-COMPUTE_KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 OPTIMIZER = "optimizer"
 SEND_ACTIVATION = "send-activation"
 SEND_GRADIENT = "send-gradient"
@@ -95,9 +109,8 @@ class StepInput:
     title: str = ""  # one line naming the plan
 
 
-@dataclass(frozen=True)
-class Event:
-    """One bar of the timeline."""
+class Event(NamedTuple):
+    """One bar of the timeline (a tuple: hundreds of thousands are made for a big plan)."""
 
     rank: int  # pp rank
     lane: str  # "compute" or "comm"
@@ -107,21 +120,6 @@ class Event:
     stage: int = -1  # virtual stage, -1 when not tied to one
     micro_batch: int = -1  # micro-batch, -1 when not tied to one
     peer: int = -1  # for sends: the receiving pp rank
-
-
-@dataclass
-class RankResult:
-    """What one pp rank did during the step."""
-
-    rank: int
-    label: str
-    busy_s: float  # compute: F/B/I/W and the optimizer
-    comm_s: float  # communication issued by this rank, overlapped or not
-    exposed_comm_s: float  # communication while the compute stream had nothing to do
-    idle_s: float  # neither computing nor communicating: waiting for other ranks
-    bubble_fraction: float  # (pipeline time - own F/B/I/W time) / own F/B/I/W time
-    peak_memory_bytes: float
-    memory: list[tuple[float, float]] = field(default_factory=list)  # (time, bytes) steps
 
 
 @dataclass
@@ -137,6 +135,8 @@ class SimResult:
     title: str = ""
     schedule: str = ""
     micro_batches: int = 0
+    visits: int = 0  # how often the engine looked at an action (at most 3 per action, see the docstring)
+    actions: int = 0  # F/B/I/W actions replayed
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -159,143 +159,13 @@ class SimResult:
 
 
 def simulate(step: StepInput) -> SimResult:
-    """Replay one step; see the module docstring for the rules."""
+    """Replay one step; see the module docstring for the rules and how it runs."""
     _check(step)
     orders = rank_orders(step.schedule, step.pp, step.virtual_stages, step.micro_batches)
-    owner = stage_owners(orders)
-    last_stage = len(step.stages) - 1
-    split = step.schedule in SPLIT_BACKWARD
-    weight_kind = BACKWARD_WEIGHT if split else BACKWARD
-    last_weight_action = {}  # stage -> index in its rank's order of its last weight-gradient action
-    for actions in orders:
-        for index, action in enumerate(actions):
-            if action.kind == weight_kind:
-                last_weight_action[action.stage] = index
-
-    events: list[Event] = []
-    finished: dict[tuple[str, int, int], float] = {}  # (kind, stage, micro-batch) -> end on its rank
-    arrived: dict[tuple[str, int, int], float] = {}  # (F|B, stage, micro-batch) -> input there
-    link_free: dict[tuple[int, int], float] = {}  # (rank, +1/-1 direction) -> when its send link is free
-    # Gradient reductions and parameter gathers of a rank share its data-parallel communicator: NCCL runs
-    # the collectives of one communicator one after another, in the order they are issued.
-    collective_free = [0.0] * step.pp
-    compute_free = [0.0] * step.pp
-    gathered: set[int] = set()  # stages whose weights are gathered right now
-
-    def input_ready(action: Action) -> float | None:
-        """When the action's input is on its rank; None while it is not yet produced."""
-        key = action.stage, action.micro_batch
-        if action.kind == FORWARD:
-            return 0.0 if action.stage == 0 else arrived.get((FORWARD, *key))
-        if action.kind == BACKWARD_WEIGHT:
-            return finished.get((BACKWARD_INPUT, *key))
-        if action.stage == last_stage:  # the loss is computed right after the last forward
-            return finished.get((FORWARD, *key))
-        return arrived.get((BACKWARD, *key))
-
-    def compute_seconds(action: Action) -> float:
-        times = step.stages[action.stage]
-        if action.kind == FORWARD:
-            return times.forward
-        if action.kind == BACKWARD:
-            return times.backward_input + times.backward_weight
-        return times.backward_input if action.kind == BACKWARD_INPUT else times.backward_weight
-
-    def gather_before(action: Action) -> float:
-        """Seconds of parameter gathering this action waits for (0 when none)."""
-        times = step.stages[action.stage]
-        if times.param_gather <= 0 or action.kind == BACKWARD_WEIGHT or action.stage in gathered:
-            return 0.0
-        return times.param_gather
-
-    def reshards(times: StageTimes) -> bool:
-        return times.reshard_after_forward or times.reshard_after_backward
-
-    def timing(rank: int, action: Action, ready: float) -> tuple[float, float, float]:
-        """(start, end, gather start) of an action whose input is ready at `ready`."""
-        start = max(ready, compute_free[rank])
-        duration = compute_seconds(action)
-        gather = gather_before(action)
-        if gather <= 0:
-            return start, start + duration, -1.0
-        # Once-per-step gathers are issued at t=0; per-pass gathers when the pass could otherwise start.
-        issue = start if reshards(step.stages[action.stage]) else 0.0
-        gather_start = max(collective_free[rank], issue)
-        if not step.overlap_param_gather:
-            start = max(start, gather_start + gather)
-            return start, start + duration, gather_start
-        layers = max(1, step.stages[action.stage].buckets)
-        start = max(start, gather_start + gather / layers)
-        return start, max(start + duration, gather_start + gather + duration / layers), gather_start
-
-    def ship(rank: int, target_stage: int, kind: str, micro_batch: int, end: float, seconds: float) -> None:
-        """Hand an activation (kind F) or a gradient (kind B) produced at `end` to `target_stage`."""
-        target_rank = owner[target_stage]
-        if target_rank == rank:
-            arrived[kind, target_stage, micro_batch] = end
-            return
-        direction = 1 if target_rank > rank else -1
-        start = max(end, link_free.get((rank, direction), 0.0))
-        link_free[rank, direction] = start + seconds
-        arrived[kind, target_stage, micro_batch] = start + seconds
-        if not step.async_p2p:  # a blocking send holds the sender until the receiver has it
-            compute_free[rank] = max(compute_free[rank], start + seconds)
-        events.append(Event(rank, "comm", SEND_ACTIVATION if kind == FORWARD else SEND_GRADIENT,
-                            start, start + seconds, target_stage, micro_batch, peer=target_rank))
-
-    cursor = [0] * step.pp
-    remaining = sum(len(a) for a in orders)
-    while remaining:
-        # Discrete-event order: of the actions whose inputs exist, run the one that starts first.
-        best: tuple[float, int, float, float] | None = None
-        for rank, actions in enumerate(orders):
-            if cursor[rank] == len(actions):
-                continue
-            ready = input_ready(actions[cursor[rank]])
-            if ready is not None:
-                start, end, gather_start = timing(rank, actions[cursor[rank]], ready)
-                if best is None or start < best[0]:
-                    best = (start, rank, end, gather_start)
-        if best is None:
-            stuck = [str(orders[r][cursor[r]]) for r in range(step.pp) if cursor[r] < len(orders[r])]
-            raise RuntimeError(f"schedule {step.schedule} deadlocks at {stuck}")
-        start, rank, end, gather_start = best
-        index = cursor[rank]
-        action = orders[rank][index]
-        times = step.stages[action.stage]
-        if gather_start >= 0:
-            gather_end = gather_start + gather_before(action)
-            collective_free[rank] = gather_end
-            events.append(Event(rank, "comm", PARAM_GATHER, gather_start, gather_end, action.stage,
-                                action.micro_batch))
-        if times.param_gather > 0 and action.kind != BACKWARD_WEIGHT:
-            frees = times.reshard_after_forward if action.kind == FORWARD else times.reshard_after_backward
-            (gathered.discard if frees else gathered.add)(action.stage)
-        compute_free[rank] = end
-        cursor[rank] += 1
-        remaining -= 1
-        finished[action.kind, action.stage, action.micro_batch] = end
-        events.append(Event(rank, "compute", action.kind, start, end, action.stage, action.micro_batch))
-        if action.kind == FORWARD and action.stage < last_stage:
-            ship(rank, action.stage + 1, FORWARD, action.micro_batch, end, times.send_activation)
-        if action.kind in (BACKWARD, BACKWARD_INPUT) and action.stage > 0:
-            previous = step.stages[action.stage - 1]
-            ship(rank, action.stage - 1, BACKWARD, action.micro_batch, end, previous.send_activation)
-        reduces_now = times.reduce_every_micro_batch and action.kind == weight_kind
-        if times.grad_reduce > 0 and (reduces_now or last_weight_action.get(action.stage) == index):
-            if step.overlap_grad_reduce:
-                buckets = max(1, times.buckets)  # ready one by one while this action runs
-                reduce_start = max(collective_free[rank], start + (end - start) / buckets)
-                reduce_end = max(reduce_start + times.grad_reduce, end + times.grad_reduce / buckets)
-            else:  # after the backward, and the rank waits for it
-                reduce_start = max(collective_free[rank], end)
-                reduce_end = reduce_start + times.grad_reduce
-                compute_free[rank] = reduce_end
-            collective_free[rank] = reduce_end
-            events.append(Event(rank, "comm", GRAD_REDUCE, reduce_start, reduce_end, action.stage,
-                                action.micro_batch if times.reduce_every_micro_batch else -1))
-
-    pipeline_time = max(e.end for e in events if e.lane == "compute")
+    replay = _Replay(step, orders)
+    events, compute_free, collective_free = replay.run()
+    owner, last_stage = replay.owner, replay.last_stage
+    pipeline_time = max((e.end for e in events if e.lane == "compute"), default=0.0)
     ready = [max(compute_free[r], collective_free[r]) for r in range(step.pp)]
     if step.tied_embedding_sync > 0 and step.pp > 1:
         ends = sorted({owner[0], owner[last_stage]})
@@ -312,14 +182,185 @@ def simulate(step: StepInput) -> SimResult:
             events.append(Event(rank, "compute", OPTIMIZER, optimizer_start, optimizer_start + optimizer))
         compute_free[rank] = optimizer_start + optimizer
     step_time = max(compute_free)
-    events.sort(key=lambda e: (e.rank, e.start, e.lane))
-    ranks = [_rank_result(step, rank, orders[rank], events, pipeline_time, step_time, split)
-             for rank in range(step.pp)]
-    busiest = max(sum(compute_seconds(a) for a in actions) for actions in orders)
+    by_rank: list[list[Event]] = [[] for _ in range(step.pp)]
+    for event in events:
+        by_rank[event.rank].append(event)
+    for mine in by_rank:  # stable: events of one rank at one instant keep the order they happened in
+        mine.sort(key=_START_LANE)
+    events = [event for mine in by_rank for event in mine]  # by (rank, start, lane)
+    split = step.schedule in SPLIT_BACKWARD
+    ranks = [rank_result(step, rank, by_rank[rank], pipeline_time, step_time, split) for rank in range(step.pp)]
+    busiest = max(sum(replay.seconds[a.stage][a.kind] for a in actions) for actions in orders)
     return SimResult(step_time_s=step_time, pipeline_time_s=pipeline_time,
                      bubble_fraction=(pipeline_time - busiest) / busiest if busiest > 0 else 0.0,
                      busiest_rank_s=busiest, ranks=ranks, events=events, title=step.title, schedule=step.schedule,
-                     micro_batches=step.micro_batches)
+                     micro_batches=step.micro_batches, visits=replay.visits, actions=replay.total)
+
+
+_START_LANE = itemgetter(3, 1)  # Event.start, Event.lane
+
+
+class _Replay:
+    """The event loop over one pipeline's action orders (module docstring, "How it runs")."""
+
+    def __init__(self, step: StepInput, orders: list[list[Action]]) -> None:
+        self.step, self.orders = step, orders
+        self.owner = stage_owners(orders)
+        self.last_stage = len(step.stages) - 1
+        self.weight_kind = BACKWARD_WEIGHT if step.schedule in SPLIT_BACKWARD else BACKWARD
+        # Seconds of each kind of pass per stage, looked up once per action.
+        self.seconds = [{FORWARD: t.forward, BACKWARD: t.backward_input + t.backward_weight,
+                         BACKWARD_INPUT: t.backward_input, BACKWARD_WEIGHT: t.backward_weight} for t in step.stages]
+        self.last_weight_action: dict[int, int] = {}  # stage -> index in its rank's order of its last W (or B)
+        for actions in orders:
+            for index, action in enumerate(actions):
+                if action.kind == self.weight_kind:
+                    self.last_weight_action[action.stage] = index
+        self.total = sum(len(a) for a in orders)
+        self.visits = 0
+        self.events: list[Event] = []
+        # What has been produced: ("F"|"I", stage, mb) -> when that pass ended on its rank;
+        # (">F"|">B", stage, mb) -> when that stage's activation / gradient input is on its rank.
+        self.produced: dict[tuple[str, int, int], float] = {}
+        self.parked: dict[tuple[str, int, int], int] = {}  # input key -> the rank whose next action needs it
+        self.queue: list[tuple[float, int, float, float]] = []  # (start, rank, end, gather start) of ready ones
+        self.cursor = [0] * step.pp
+        self.link_free: dict[tuple[int, int], float] = {}  # (rank, +1/-1 direction) -> its send link free
+        # Gradient reductions and parameter gathers of a rank share its data-parallel communicator: NCCL runs
+        # the collectives of one communicator one after another, in the order they are issued.
+        self.collective_free = [0.0] * step.pp
+        self.compute_free = [0.0] * step.pp
+        self.gathered: set[int] = set()  # stages whose weights are gathered right now
+
+    def input_key(self, action: Action) -> tuple[str, int, int] | None:
+        """What the action waits for; None when nothing (the first stage's forwards)."""
+        kind, stage, micro_batch = action
+        if kind == FORWARD:
+            return None if stage == 0 else (">F", stage, micro_batch)
+        if kind == BACKWARD_WEIGHT:
+            return BACKWARD_INPUT, stage, micro_batch
+        if stage == self.last_stage:  # the loss is computed right after the last forward
+            return FORWARD, stage, micro_batch
+        return ">B", stage, micro_batch
+
+    def offer(self, rank: int) -> None:
+        """Queue the rank's next action if its input is there, else park the rank under that input."""
+        index = self.cursor[rank]
+        actions = self.orders[rank]
+        if index == len(actions):
+            return
+        self.visits += 1
+        action = actions[index]
+        key = self.input_key(action)
+        ready = 0.0 if key is None else self.produced.get(key)
+        if ready is None:
+            self.parked[key] = rank  # type: ignore[index]
+            return
+        start, end, gather_start = self.timing(rank, action, ready)
+        heappush(self.queue, (start, rank, end, gather_start))
+
+    def publish(self, key: tuple[str, int, int], time: float) -> None:
+        self.produced[key] = time
+        rank = self.parked.pop(key, None)
+        if rank is not None:
+            self.offer(rank)
+
+    def gather_before(self, action: Action) -> float:
+        """Seconds of parameter gathering this action waits for (0 when none)."""
+        gather = self.step.stages[action.stage].param_gather
+        if gather <= 0 or action.kind == BACKWARD_WEIGHT or action.stage in self.gathered:
+            return 0.0
+        return gather
+
+    def timing(self, rank: int, action: Action, ready: float) -> tuple[float, float, float]:
+        """(start, end, gather start) of an action whose input is ready at `ready`. Depends only on the
+        rank's own state, which changes only when the rank runs an action: valid until it is popped."""
+        start = max(ready, self.compute_free[rank])
+        duration = self.seconds[action.stage][action.kind]
+        gather = self.gather_before(action)
+        if gather <= 0:
+            return start, start + duration, -1.0
+        times = self.step.stages[action.stage]
+        # Once-per-step gathers are issued at t=0; per-pass gathers when the pass could otherwise start.
+        issue = start if times.reshard_after_forward or times.reshard_after_backward else 0.0
+        gather_start = max(self.collective_free[rank], issue)
+        if not self.step.overlap_param_gather:
+            start = max(start, gather_start + gather)
+            return start, start + duration, gather_start
+        layers = max(1, times.buckets)
+        start = max(start, gather_start + gather / layers)
+        return start, max(start + duration, gather_start + gather + duration / layers), gather_start
+
+    def ship(self, rank: int, target_stage: int, kind: str, micro_batch: int, end: float, seconds: float) -> None:
+        """Hand an activation (kind F) or a gradient (kind B) produced at `end` to `target_stage`."""
+        target_rank = self.owner[target_stage]
+        key = (">F" if kind == FORWARD else ">B", target_stage, micro_batch)
+        if target_rank == rank:
+            self.publish(key, end)
+            return
+        direction = 1 if target_rank > rank else -1
+        start = max(end, self.link_free.get((rank, direction), 0.0))
+        self.link_free[rank, direction] = start + seconds
+        if not self.step.async_p2p:  # a blocking send holds the sender until the receiver has it
+            self.compute_free[rank] = max(self.compute_free[rank], start + seconds)
+        self.events.append(Event(rank, "comm", SEND_ACTIVATION if kind == FORWARD else SEND_GRADIENT,
+                                 start, start + seconds, target_stage, micro_batch, target_rank))
+        self.publish(key, start + seconds)
+
+    def run(self) -> tuple[list[Event], list[float], list[float]]:
+        """Replay every action; (events, compute free, collective free per rank)."""
+        step, events, queue = self.step, self.events, self.queue
+        for rank in range(step.pp):
+            self.offer(rank)
+        done = 0
+        while queue:
+            start, rank, end, gather_start = heappop(queue)
+            self.visits += 1
+            index = self.cursor[rank]
+            action = self.orders[rank][index]
+            kind, stage, micro_batch = action
+            times = step.stages[stage]
+            if gather_start >= 0:
+                gather_end = gather_start + self.gather_before(action)
+                self.collective_free[rank] = gather_end
+                events.append(Event(rank, "comm", PARAM_GATHER, gather_start, gather_end, stage, micro_batch))
+            if times.param_gather > 0 and kind != BACKWARD_WEIGHT:
+                frees = times.reshard_after_forward if kind == FORWARD else times.reshard_after_backward
+                (self.gathered.discard if frees else self.gathered.add)(stage)
+            self.compute_free[rank] = end
+            self.cursor[rank] = index + 1
+            done += 1
+            events.append(Event(rank, "compute", kind, start, end, stage, micro_batch))
+            if kind == FORWARD or kind == BACKWARD_INPUT:
+                self.publish((kind, stage, micro_batch), end)
+            if kind == FORWARD and stage < self.last_stage:
+                self.ship(rank, stage + 1, FORWARD, micro_batch, end, times.send_activation)
+            if (kind == BACKWARD or kind == BACKWARD_INPUT) and stage > 0:
+                self.ship(rank, stage - 1, BACKWARD, micro_batch, end, step.stages[stage - 1].send_activation)
+            if times.grad_reduce > 0 and ((times.reduce_every_micro_batch and kind == self.weight_kind)
+                                          or self.last_weight_action.get(stage) == index):
+                self.reduce(rank, action, start, end)
+            self.offer(rank)
+        if done < self.total:
+            stuck = [str(self.orders[r][self.cursor[r]]) for r in range(step.pp)
+                     if self.cursor[r] < len(self.orders[r])]
+            raise RuntimeError(f"schedule {step.schedule} deadlocks at {stuck}")
+        return events, self.compute_free, self.collective_free
+
+    def reduce(self, rank: int, action: Action, start: float, end: float) -> None:
+        """The data-parallel gradient reduction after a weight-gradient action (module docstring)."""
+        times = self.step.stages[action.stage]
+        if self.step.overlap_grad_reduce:
+            buckets = max(1, times.buckets)  # ready one by one while this action runs
+            reduce_start = max(self.collective_free[rank], start + (end - start) / buckets)
+            reduce_end = max(reduce_start + times.grad_reduce, end + times.grad_reduce / buckets)
+        else:  # after the backward, and the rank waits for it
+            reduce_start = max(self.collective_free[rank], end)
+            reduce_end = reduce_start + times.grad_reduce
+            self.compute_free[rank] = reduce_end
+        self.collective_free[rank] = reduce_end
+        self.events.append(Event(rank, "comm", GRAD_REDUCE, reduce_start, reduce_end,
+                                 action.stage, action.micro_batch if times.reduce_every_micro_batch else -1))
 
 
 def _check(step: StepInput) -> None:
@@ -336,58 +377,3 @@ def _check(step: StepInput) -> None:
         raise SpecError("optimizer", len(step.optimizer), f"needs one time per pp rank ({step.pp})")
     if step.rank_base_bytes and len(step.rank_base_bytes) != step.pp:
         raise SpecError("rank_base_bytes", len(step.rank_base_bytes), f"needs one number per pp rank ({step.pp})")
-
-
-def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Merge overlapping intervals."""
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        elif end > start:
-            merged.append((start, end))
-    return merged
-
-
-def _rank_result(step: StepInput, rank: int, actions: list[Action], events: list[Event], pipeline_time: float,
-                 step_time: float, split: bool) -> RankResult:
-    mine = [e for e in events if e.rank == rank]
-    compute = _merge([(e.start, e.end) for e in mine if e.lane == "compute"])
-    comm = _merge([(e.start, e.end) for e in mine if e.lane == "comm"])
-    busy = sum(e.end - e.start for e in mine if e.lane == "compute")
-    comm_total = sum(end - start for start, end in comm)
-    covered = sum(end - start for start, end in _merge(compute + comm))
-    exposed = covered - sum(end - start for start, end in compute)
-    own_pipeline = sum(e.end - e.start for e in mine if e.kind in COMPUTE_KINDS)
-    label = step.rank_labels[rank] if step.rank_labels else f"pp{rank}"
-    memory = _memory_curve(step, rank, actions, mine, split)
-    return RankResult(rank=rank, label=label, busy_s=busy, comm_s=comm_total, exposed_comm_s=exposed,
-                      idle_s=max(0.0, step_time - covered),
-                      bubble_fraction=(pipeline_time - own_pipeline) / own_pipeline if own_pipeline else 0.0,
-                      peak_memory_bytes=max(b for _, b in memory), memory=memory)
-
-
-def _memory_curve(step: StepInput, rank: int, actions: list[Action], mine: list[Event],
-                  split: bool) -> list[tuple[float, float]]:
-    """(time, bytes) after each change: activations live from forward start to backward (W) end."""
-    stages = sorted({a.stage for a in actions})
-    base = sum(step.stages[s].static_bytes for s in stages)
-    base += step.rank_base_bytes[rank] if step.rank_base_bytes else 0.0
-    releases_activation = BACKWARD_WEIGHT if split else BACKWARD
-    changes: list[tuple[float, float]] = []
-    for event in mine:
-        if event.lane != "compute" or event.stage < 0:
-            continue
-        if event.kind == FORWARD:
-            changes.append((event.start, step.stages[event.stage].activation_bytes))
-        elif event.kind == releases_activation:
-            changes.append((event.end, -step.stages[event.stage].activation_bytes))
-    changes.sort(key=lambda c: (c[0], c[1]))  # frees before allocations at the same instant
-    curve, level = [(0.0, base)], base
-    for time, delta in changes:
-        level += delta
-        if curve[-1][0] == time:  # one point per instant: frees and allocations at once net out
-            curve[-1] = (time, level)
-        else:
-            curve.append((time, level))
-    return curve

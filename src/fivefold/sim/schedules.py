@@ -26,7 +26,7 @@ The orders here follow the loop that actually runs.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from fivefold.errors import SpecError
 
@@ -41,9 +41,9 @@ TORCH_SCHEDULE_CLASS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
 SPLIT_BACKWARD = ("zb-h1", "zbv")  # schedules that run I and W apart
 
 
-@dataclass(frozen=True)
-class Action:
-    """One compute action on a rank: `kind` of virtual stage `stage` on micro-batch `micro_batch`."""
+class Action(NamedTuple):
+    """One compute action on a rank: `kind` of virtual stage `stage` on micro-batch `micro_batch` (a tuple:
+    the engine unpacks hundreds of thousands)."""
 
     kind: str  # F, B, I or W
     stage: int  # virtual stage index in model order

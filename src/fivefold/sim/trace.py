@@ -38,38 +38,47 @@ def _name_of(event: Event) -> str:
     return name
 
 
+def _event_json(event: Event) -> str:
+    """One complete ("X") event as JSON text: formatted directly, a big plan has hundreds of thousands."""
+    args = f'"kind":"{event.kind}"'
+    if event.stage >= 0:
+        args += f',"stage":{event.stage}'
+    if event.micro_batch >= 0:
+        args += f',"micro_batch":{event.micro_batch}'
+    if event.peer >= 0:
+        args += f',"to_rank":{event.peer}'
+    return (f'{{"name":"{_name_of(event)}","cat":"{event.lane}","ph":"X","pid":{event.rank},'
+            f'"tid":{_thread_of(event)},"ts":{event.start * 1e6!r},"dur":{(event.end - event.start) * 1e6!r},'
+            f'"args":{{{args}}}}}')
+
+
+def _trace_json(result: SimResult) -> str:
+    """The whole trace as JSON text (events in the order chrome_trace lists them)."""
+    parts: list[str] = []
+    for rank in result.ranks:
+        parts.append(json.dumps({"ph": "M", "name": "process_name", "pid": rank.rank, "tid": 0,
+                                 "args": {"name": rank.label}}))
+        parts.append(json.dumps({"ph": "M", "name": "process_sort_index", "pid": rank.rank, "tid": 0,
+                                 "args": {"sort_index": rank.rank}}))
+        for tid, thread in THREADS.items():
+            parts.append(json.dumps({"ph": "M", "name": "thread_name", "pid": rank.rank, "tid": tid,
+                                     "args": {"name": thread}}))
+    parts.extend(map(_event_json, result.events))
+    for rank in result.ranks:
+        parts.extend(f'{{"name":"memory","ph":"C","pid":{rank.rank},"ts":{time * 1e6!r},'
+                     f'"args":{{"GiB":{round(level / GIB, 6)!r}}}}}' for time, level in rank.memory)
+    other = json.dumps({"title": result.title, "step_time_s": result.step_time_s,
+                        "bubble_fraction": result.bubble_fraction})
+    return '{"traceEvents":[' + ",\n".join(parts) + '],"displayTimeUnit":"ms","otherData":' + other + "}"
+
+
 def chrome_trace(result: SimResult) -> dict:
     """The {"traceEvents": [...]} object of a simulated step."""
-    trace: list[dict] = []
-    for rank in result.ranks:
-        trace.append({"ph": "M", "name": "process_name", "pid": rank.rank, "tid": 0,
-                      "args": {"name": rank.label}})
-        trace.append({"ph": "M", "name": "process_sort_index", "pid": rank.rank, "tid": 0,
-                      "args": {"sort_index": rank.rank}})
-        for tid, thread in THREADS.items():
-            trace.append({"ph": "M", "name": "thread_name", "pid": rank.rank, "tid": tid, "args": {"name": thread}})
-    for event in result.events:
-        args: dict = {"kind": event.kind}
-        if event.stage >= 0:
-            args["stage"] = event.stage
-        if event.micro_batch >= 0:
-            args["micro_batch"] = event.micro_batch
-        if event.peer >= 0:
-            args["to_rank"] = event.peer
-        trace.append({"name": _name_of(event), "cat": event.lane, "ph": "X", "pid": event.rank,
-                      "tid": _thread_of(event), "ts": event.start * 1e6, "dur": (event.end - event.start) * 1e6,
-                      "args": args})
-    for rank in result.ranks:
-        for time, level in rank.memory:
-            trace.append({"name": "memory", "ph": "C", "pid": rank.rank, "ts": time * 1e6,
-                          "args": {"GiB": round(level / GIB, 6)}})
-    return {"traceEvents": trace, "displayTimeUnit": "ms",
-            "otherData": {"title": result.title, "step_time_s": result.step_time_s,
-                          "bubble_fraction": result.bubble_fraction}}
+    return json.loads(_trace_json(result))
 
 
 def write_chrome_trace(result: SimResult, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(chrome_trace(result)))
+    path.write_text(_trace_json(result))
     return path

@@ -1,0 +1,87 @@
+"""Per-rank summary of a replayed step: busy, communication (exposed or not), idle, bubble, memory curve."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fivefold.sim.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+
+if TYPE_CHECKING:
+    from fivefold.sim.engine import Event, StepInput
+
+COMPUTE_KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+
+
+@dataclass
+class RankResult:
+    """What one pp rank did during the step."""
+
+    rank: int
+    label: str
+    busy_s: float  # compute: F/B/I/W and the optimizer
+    comm_s: float  # communication issued by this rank, overlapped or not
+    exposed_comm_s: float  # communication while the compute stream had nothing to do
+    idle_s: float  # neither computing nor communicating: waiting for other ranks
+    bubble_fraction: float  # (pipeline time - own F/B/I/W time) / own F/B/I/W time
+    peak_memory_bytes: float
+    memory: list[tuple[float, float]] = field(default_factory=list)  # (time, bytes) steps
+    busy_spans: list[tuple[float, float]] = field(default_factory=list)  # compute, merged where they touch
+    comm_spans: list[tuple[float, float]] = field(default_factory=list)  # communication, merged likewise
+
+
+
+def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Merge overlapping intervals."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        elif end > start:
+            merged.append((start, end))
+    return merged
+
+
+def rank_result(step: StepInput, rank: int, mine: list[Event], pipeline_time: float, step_time: float,
+                split: bool) -> RankResult:
+    """Busy, communication, idle, bubble and memory of one rank from its events (in start order)."""
+    compute_spans = [(e.start, e.end) for e in mine if e.lane == "compute"]
+    compute = _merge(compute_spans)
+    comm = _merge([(e.start, e.end) for e in mine if e.lane == "comm"])
+    busy = sum(end - start for start, end in compute_spans)
+    comm_total = sum(end - start for start, end in comm)
+    covered = sum(end - start for start, end in _merge(compute + comm))
+    exposed = covered - sum(end - start for start, end in compute)
+    own_pipeline = sum(e.end - e.start for e in mine if e.kind in COMPUTE_KINDS)
+    label = step.rank_labels[rank] if step.rank_labels else f"pp{rank}"
+    memory = _memory_curve(step, rank, mine, split)
+    return RankResult(rank=rank, label=label, busy_s=busy, comm_s=comm_total, exposed_comm_s=exposed,
+                      idle_s=max(0.0, step_time - covered),
+                      bubble_fraction=(pipeline_time - own_pipeline) / own_pipeline if own_pipeline else 0.0,
+                      peak_memory_bytes=max(b for _, b in memory), memory=memory, busy_spans=compute,
+                      comm_spans=comm)
+
+
+def _memory_curve(step: StepInput, rank: int, mine: list[Event], split: bool) -> list[tuple[float, float]]:
+    """(time, bytes) after each change: activations live from forward start to backward (W) end."""
+    stages = sorted({e.stage for e in mine if e.lane == "compute" and e.stage >= 0})
+    base = sum(step.stages[s].static_bytes for s in stages)
+    base += step.rank_base_bytes[rank] if step.rank_base_bytes else 0.0
+    releases_activation = BACKWARD_WEIGHT if split else BACKWARD
+    changes: list[tuple[float, float]] = []
+    for event in mine:
+        if event.lane != "compute" or event.stage < 0:
+            continue
+        if event.kind == FORWARD:
+            changes.append((event.start, step.stages[event.stage].activation_bytes))
+        elif event.kind == releases_activation:
+            changes.append((event.end, -step.stages[event.stage].activation_bytes))
+    changes.sort()  # by time; frees (negative) before allocations at the same instant
+    curve, level = [(0.0, base)], base
+    for time, delta in changes:
+        level += delta
+        if curve[-1][0] == time:  # one point per instant: frees and allocations at once net out
+            curve[-1] = (time, level)
+        else:
+            curve.append((time, level))
+    return curve
