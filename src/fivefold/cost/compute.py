@@ -48,6 +48,8 @@ class ComputeProfile:
     memory_fraction: float  # achievable fraction of memory bandwidth in streaming kernels
     kernel_latency: float  # seconds every kernel costs on the device (launch, ramp-up, tail)
     k_overhead: float  # reduction depth worth of a GEMM tile's fixed prologue/epilogue cycles (elements of K)
+    fp8_gemm_fraction: float = 0.0  # sustained fraction of the FP8 dense peak on large FP8 GEMMs (0: no FP8)
+    flash2_speed: float = 1.0  # FlashAttention-2 relative to the generation's best fused attention kernel
 
 
 PROFILES: dict[str, ComputeProfile] = {
@@ -55,18 +57,26 @@ PROFILES: dict[str, ComputeProfile] = {
     "A100-80GB": ComputeProfile(108, 0.80, 0.70, 0.55, 0.80, 4e-6, 96.0),
     # Hopper and Blackwell tensor cores do 2-4x more work per SM clock than Ampere, so the fixed cycles
     # of a tile's prologue/epilogue are worth proportionally more reduction depth.
-    "H100-SXM": ComputeProfile(132, 0.68, 0.70, 0.55, 0.80, 4e-6, 256.0),
-    "H100-PCIe": ComputeProfile(114, 0.68, 0.70, 0.55, 0.80, 4e-6, 256.0),
-    "H100-96GB": ComputeProfile(132, 0.68, 0.70, 0.55, 0.80, 4e-6, 256.0),
-    "H200": ComputeProfile(132, 0.70, 0.70, 0.55, 0.80, 4e-6, 256.0),
-    "B200": ComputeProfile(148, 0.68, 0.70, 0.55, 0.80, 4e-6, 384.0),
-    "L40S": ComputeProfile(142, 0.75, 0.65, 0.50, 0.80, 4e-6, 96.0),
-    "RTX-4090": ComputeProfile(128, 0.80, 0.65, 0.50, 0.80, 4e-6, 96.0),
-    "MI300X": ComputeProfile(304, 0.55, 0.60, 0.45, 0.75, 6e-6, 192.0),
+    # FP8 GEMMs (E4M3/E5M2 with fp32 accumulation) reach a smaller share of their doubled peak than BF16
+    # ones (cuBLASLt on H100: ~1.2-1.3 of 1.98 PFLOP/s at training clocks, ~0.6), and a tile's fixed
+    # cycles are worth twice the reduction depth (twice the work per clock): FP8_K_FACTOR.
+    # FlashAttention-2 has no Hopper wgmma/TMA path: ~35% of H100's peak where FlashAttention-3 and cuDNN
+    # reach 60-75% (Shah et al. 2024, FlashAttention-3, Fig. 5-6); the attention figures above are the
+    # latter's, so FA2 (PyTorch SDPA's flash backend) runs at ~0.75 of them on Hopper.
+    "H100-SXM": ComputeProfile(132, 0.68, 0.70, 0.55, 0.80, 4e-6, 256.0, 0.60, 0.75),
+    "H100-PCIe": ComputeProfile(114, 0.68, 0.70, 0.55, 0.80, 4e-6, 256.0, 0.60, 0.75),
+    # At a 500 W cap the tensor cores run at lower clocks under dense GEMM load: ~550 TFLOP/s sustained.
+    "H100-96GB": ComputeProfile(132, 0.60, 0.70, 0.55, 0.80, 4e-6, 256.0, 0.53, 0.75),
+    "H200": ComputeProfile(132, 0.70, 0.70, 0.55, 0.80, 4e-6, 256.0, 0.62, 0.75),
+    "B200": ComputeProfile(148, 0.68, 0.70, 0.55, 0.80, 4e-6, 384.0, 0.60),
+    "L40S": ComputeProfile(142, 0.75, 0.65, 0.50, 0.80, 4e-6, 96.0, 0.65),
+    "RTX-4090": ComputeProfile(128, 0.80, 0.65, 0.50, 0.80, 4e-6, 96.0, 0.70),
+    "MI300X": ComputeProfile(304, 0.55, 0.60, 0.45, 0.75, 6e-6, 192.0, 0.50),
     # One CPU worker: few "SMs" (cores), no tensor cores; the catalog peak is itself a placeholder.
     "cpu": ComputeProfile(4, 0.50, 0.50, 0.40, 0.60, 20e-6, 16.0),
 }
-DEFAULT_PROFILE = ComputeProfile(128, 0.70, 0.65, 0.50, 0.80, 5e-6, 128.0)
+DEFAULT_PROFILE = ComputeProfile(128, 0.70, 0.65, 0.50, 0.80, 5e-6, 128.0, 0.60)
+FP8_K_FACTOR = 2.0
 
 # (tile rows, tile cols, speed relative to the largest tile): smaller tiles fill more SMs but reuse less.
 TILE_OPTIONS = ((256, 128, 1.0), (128, 128, 0.93), (128, 64, 0.82), (64, 64, 0.65))
@@ -131,12 +141,15 @@ class Device:
     """A device and a training dtype, with the few numbers every kernel-time formula needs."""
 
     __slots__ = ("spec", "profile", "peak", "bandwidth", "gemm_peak", "latency", "element_bytes", "gemm_curve",
-                 "host")
+                 "host", "fp8_gemm_peak")
 
     def __init__(self, spec: DeviceSpec, dtype: str, calibration: Calibration | None = None) -> None:
         self.spec = spec
         self.profile = profile_of(spec)
-        self.peak = spec.flops(dtype)  # dense FLOP/s of the dtype
+        # FP8 training runs its block GEMMs in FP8 and the rest (attention, LM head, element-wise) in BF16:
+        # the BF16 peak is the basis of MFU and of every non-FP8 kernel.
+        fp8 = dtype == "fp8"
+        self.peak = spec.flops("bf16" if fp8 else dtype)  # dense FLOP/s of the dtype
         # Measured host costs mark a profiled CPU rank: its memory bandwidth is the profile's STREAM copy
         # (already what a rank achieves among N), and the fixed cost of an op is its host cost, which an
         # eager stack counts per op (cost/step.py), so the catalog's per-kernel latency is not added.
@@ -148,6 +161,8 @@ class Device:
         self.gemm_curve = gemm_curve(calibration, dtype)  # measured GEMM rates, when profiled
         # FLOP/s of a large, well-shaped GEMM: the best measured one, else the catalog fraction of peak.
         self.gemm_peak = self.gemm_curve.best if self.gemm_curve else self.peak * self.profile.gemm_fraction
+        # Large FP8 GEMMs: the FP8 peak times the generation's own sustained fraction (0.0: no FP8).
+        self.fp8_gemm_peak = spec.flops("fp8") * self.profile.fp8_gemm_fraction if fp8 else 0.0
 
 
 def tile_utilization(rows: int, cols: int, batch: int, sm_count: int) -> float:
@@ -166,11 +181,19 @@ def tile_utilization(rows: int, cols: int, batch: int, sm_count: int) -> float:
     return best
 
 
-def gemm_time(device: Device, m: int, n: int, k: int, batch: int = 1) -> float:
-    """Seconds of C[m, n] = A[m, k] @ B[k, n] (`batch` independent copies): compute or memory bound."""
+def gemm_time(device: Device, m: int, n: int, k: int, batch: int = 1, fp8: bool = False) -> float:
+    """Seconds of C[m, n] = A[m, k] @ B[k, n] (`batch` independent copies): compute or memory bound.
+    `fp8`: A and B in FP8 (1 byte), C in BF16, at the FP8 rate and its own efficiency curve (when the
+    device trains in FP8)."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
     flops = 2.0 * m * n * k * batch
+    if fp8 and device.fp8_gemm_peak > 0:
+        k_overhead = device.profile.k_overhead * FP8_K_FACTOR
+        efficiency = tile_utilization(m, n, batch, device.profile.sm_count) * k / (k + k_overhead)
+        compute = flops / (device.fp8_gemm_peak * efficiency)
+        memory = (m * k + k * n + 2 * m * n) * batch / device.bandwidth
+        return max(compute, memory) + device.latency
     if device.gemm_curve is not None:  # measured: the rate of this shape's intensity, never below a launch
         return max(flops / device.gemm_curve.rate(arithmetic_intensity(m, n, k, device.element_bytes)),
                    device.latency)
@@ -186,7 +209,7 @@ def elementwise_time(device: Device, num_bytes: float, kernels: int = 1) -> floa
 
 
 def flash_attention_time(device: Device, batch_heads: int, q_len: int, kv_len: int, head_dim: int,
-                         causal: bool, backward: bool, window: int = 0) -> float:
+                         causal: bool, backward: bool, window: int = 0, flash2: bool = False) -> float:
     """Seconds of a fused (FlashAttention-style) attention kernel over `batch_heads` (batch x local heads).
 
     Forward does 2 matmuls (Q K^T, P V) of 2 * q * kv * d FLOPs each; backward does 5 (it recomputes P),
@@ -202,6 +225,8 @@ def flash_attention_time(device: Device, batch_heads: int, q_len: int, kv_len: i
     elif causal:
         flops *= 0.5 * (1.0 + 1.0 / max(1, -(-kv_len // 128)))  # the diagonal blocks run whole
     relative = device.profile.attention_backward if backward else device.profile.attention_forward
+    if flash2:  # the kernel PyTorch's SDPA runs (FlashAttention-2), not the generation's best
+        relative *= device.profile.flash2_speed
     # Head sizes below 128 waste tensor-core width; FlashAttention-2 reports ~15% less at d=64.
     relative *= min(1.0, (head_dim / 128.0) ** 0.25)
     utilization = tile_utilization(q_len, 128, batch_heads, device.profile.sm_count)

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 
 def annotate(estimate: Estimate, plan: Plan, stack: SoftwareStack) -> Estimate:
+    if plan.train.dtype == "fp8":
+        estimate.mfu_basis = "BF16 peak (GEMMs in FP8)"
     missing = unsupported_features(stack, plan)
     if missing:
         estimate.notes.append(f"the {stack.name} stack cannot run this plan: {', '.join(missing)}")

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 # momentum, variance and the gradient, write the three back and the 16-bit weight copy, plus the
 # gradient-norm and unscale passes: ~36 bytes; fp16 adds the fp16 -> fp32 gradient copy of Megatron's
 # loss-scaling optimizer (~8 more).
-OPTIMIZER_BYTES_PER_PARAM = {"bf16": 36.0, "fp16": 44.0, "fp32": 36.0}
+OPTIMIZER_BYTES_PER_PARAM = {"bf16": 36.0, "fp16": 44.0, "fp32": 36.0, "fp8": 36.0}
 SPLIT_SCHEDULES = ("zb-h1", "zbv")  # weight gradients in their own W pass
 
 
@@ -95,6 +95,8 @@ def sync_seconds(layout: Layout, stack: SoftwareStack, env: RankEnv, dense: floa
     ZeRO-0 all-reduces the gradients; ZeRO >= 1 reduce-scatters them and all-gathers the weights."""
     grad_bytes = stack.gradient_bytes(layout.train.dtype)
     weight_bytes = 4 if layout.train.dtype == "fp32" else 2
+    if layout.train.dtype == "fp8" and stack.features.fp8_all_gather and layout.zero == 3:
+        weight_bytes = 1  # FSDP2 gathers the block weights already cast to FP8 (torchao's FP8 all-gather)
     reduce = gather = 0.0
     for params, link in ((dense, env.replicas), (expert, env.expert_replicas)):
         if params <= 0 or link.size <= 1:

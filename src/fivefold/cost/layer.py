@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from fivefold.cost.comm import GroupLink, all_gather_time, all_reduce_time, all_to_all_time, p2p_time
 from fivefold.cost.compute import Device, elementwise_time, flash_attention_time, gemm_time
-from fivefold.cost.stack import SoftwareStack
+from fivefold.cost.stack import SoftwareStack, eager_ops
 from fivefold.spec.model import ModelSpec
 
 
@@ -56,7 +56,7 @@ class _Work:
     """Accumulates GPU seconds, CPU kernel launches and exposed communication of one pass."""
 
     __slots__ = ("forward", "backward_input", "backward_weight", "forward_comm", "backward_comm",
-                 "forward_kernels", "backward_kernels", "selective")
+                 "forward_kernels", "backward_kernels", "selective", "linear_forward")
 
     def __init__(self) -> None:
         self.forward = self.backward_input = self.backward_weight = 0.0
@@ -64,16 +64,19 @@ class _Work:
         self.backward_comm = {kind: 0.0 for kind in COMM_KINDS}
         self.forward_kernels = self.backward_kernels = 0
         self.selective = 0.0  # forward seconds that selective recompute repeats
+        self.linear_forward = 0.0  # forward seconds of the block's linear layers
 
     def gemm(self, device: Device, tokens: int, k: int, n: int, batch: int = 1,
-             bias: bool = False) -> tuple[float, float, float]:
-        """A linear layer y[tokens, n] = x[tokens, k] W[k, n]: forward, dgrad (B) and wgrad (W) seconds."""
-        forward = gemm_time(device, tokens, n, k, batch)
-        dgrad = gemm_time(device, tokens, k, n, batch)
-        wgrad = gemm_time(device, k, n, tokens, batch)
+             bias: bool = False, fp8: bool = False) -> tuple[float, float, float]:
+        """A linear layer y[tokens, n] = x[tokens, k] W[k, n]: forward, dgrad (B) and wgrad (W) seconds.
+        `fp8`: the three GEMMs run in FP8 when the device trains in FP8."""
+        forward = gemm_time(device, tokens, n, k, batch, fp8)
+        dgrad = gemm_time(device, tokens, k, n, batch, fp8)
+        wgrad = gemm_time(device, k, n, tokens, batch, fp8)
         if bias:
             wgrad += elementwise_time(device, tokens * n * batch * device.element_bytes)
         self.forward += forward
+        self.linear_forward += forward
         self.backward_input += dgrad
         self.backward_weight += wgrad
         self.forward_kernels += 1
@@ -162,6 +165,24 @@ def _tp_collectives(work: _Work, num_bytes: float, link: GroupLink, sequence_par
         work.collective("tp", seconds, max(0.0, seconds - backward_cover))
 
 
+def _fp8_linear(work: _Work, device: Device, stack: SoftwareStack, tokens: int, k: int, n: int,
+                batch: int = 1, bias: bool = False) -> tuple[float, float, float]:
+    """A block linear layer; under FP8 training its GEMMs run in FP8 with dynamic (tensor-wise) scaling
+    (TorchTitan's Float8 / torchao, Megatron's FP8 recipe) and the casts that scaling needs:
+    the amax and cast of the input forward and of the output gradient backward (read 2 bytes for the
+    amax, read 2 and write 1 for the cast: 5 bytes per element, 3 when compiled or fused kernels fold
+    the amax into the producer), the FP8 transposes the dgrad and wgrad GEMMs need (1 byte read, 1
+    written), and the weight's cast, which an FP8 all-gather does on the shard before gathering instead."""
+    if device.fp8_gemm_peak <= 0:
+        return work.gemm(device, tokens, k, n, batch, bias)
+    times = work.gemm(device, tokens, k, n, batch, bias, fp8=True)
+    cast = 3.0 if stack.fused_elementwise else 5.0
+    x, g, w = tokens * k * batch, tokens * n * batch, k * n * batch
+    weight_cast = 0.0 if stack.features.fp8_all_gather else cast * w
+    work.elementwise(device, cast * x + weight_cast, cast * g + 2.0 * (x + g + w), 2, 4)
+    return times
+
+
 def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link: GroupLink,
                cp_link: GroupLink, ep_link: GroupLink) -> PassCost:
     """One transformer block, one micro-batch, one rank."""
@@ -179,10 +200,11 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
 
     # Attention block: norm, QKV, (rope), core, output projection, TP collective, residual.
     work.elementwise(device, 2 * norm_tokens * h * e, 3 * norm_tokens * h * e, 1, 2)
-    qkv = work.gemm(device, tokens, h, (q + 2 * kv) // t, bias=bias)
+    qkv = _fp8_linear(work, device, stack, tokens, h, (q + 2 * kv) // t, bias=bias)
     if m.position == "rope":
         rope_bytes = 2 * tokens * (q + kv) // t * e
         work.elementwise(device, rope_bytes, rope_bytes, 2, 2)
+    attention_start = work.forward
     if stack.attention == "flash":
         before = work.forward
         # Sliding-window layers are a share of the blocks: this average block carries that share of them.
@@ -190,9 +212,9 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
         for share, window in ((1.0 - sliding, 0), (sliding, m.sliding_window)):
             if share > 0:
                 work.forward += share * flash_attention_time(device, b * heads, s_local, shape.seq_len, d, True,
-                                                             False, window)
+                                                             False, window, stack.sdpa_flash2)
                 work.backward_input += share * flash_attention_time(device, b * heads, s_local, shape.seq_len, d,
-                                                                    True, True, window)
+                                                                    True, True, window, stack.sdpa_flash2)
         work.forward_kernels += 1
         work.backward_kernels += 2
         # Selective recompute adds nothing here: FlashAttention's backward recomputes the scores itself.
@@ -222,7 +244,8 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
         work.backward_input += elementwise_time(device, scores * backward_score_bytes + 2 * tokens * q // t * e, 3)
         work.forward_kernels += 6
         work.backward_kernels += 8
-    projection = work.gemm(device, tokens, q // t, h, bias=bias)
+    attention_forward_total = work.forward - attention_start
+    projection = _fp8_linear(work, device, stack, tokens, q // t, h, bias=bias)
     _tp_collectives(work, hidden_bytes, tp_link, shape.sequence_parallel, stack, [qkv, projection])
     residual = 3 * e + (1 if dropout else 0)
     work.elementwise(device, norm_tokens * h * residual, norm_tokens * h * (2 * e + 1 if dropout else e),
@@ -241,21 +264,29 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
             dispatch = all_to_all_time(routed * h * e, ep_link)
             work.collective("ep", 2 * dispatch, 2 * dispatch)
         width = m.expert_ffn_hidden // t
-        up = work.gemm(device, per_expert, h, matrices_in * width, batch=local_experts)
+        up = _fp8_linear(work, device, stack, per_expert, h, matrices_in * width, batch=local_experts)
         act_rows = routed
     else:
         width = m.ffn_hidden // t
-        up = work.gemm(device, tokens, h, matrices_in * width, bias=bias)
+        up = _fp8_linear(work, device, stack, tokens, h, matrices_in * width, bias=bias)
         act_rows = tokens
     activation = (3 * e, 5 * e) if m.mlp == "swiglu" else (2 * e, 3 * e)
     work.elementwise(device, act_rows * width * activation[0], act_rows * width * activation[1])
     if m.is_moe:
-        down = work.gemm(device, per_expert, width, h, batch=local_experts)
+        down = _fp8_linear(work, device, stack, per_expert, width, h, batch=local_experts)
     else:
-        down = work.gemm(device, tokens, width, h, bias=bias)
+        down = _fp8_linear(work, device, stack, tokens, width, h, bias=bias)
     _tp_collectives(work, hidden_bytes, tp_link, shape.sequence_parallel, stack, [up, down])
     work.elementwise(device, norm_tokens * h * residual, norm_tokens * h * (2 * e + 1 if dropout else e),
                      2 if dropout else 1, 1)
+    if not stack.fused_elementwise and device.host is None:
+        # Eager PyTorch: unfused RMSNorm, RoPE, SwiGLU and autograd's sums move this much more (eager_ops).
+        ops = eager_ops(m)
+        per_token = tokens / t * e
+        work.elementwise(device, ops.layer_forward_traffic * per_token, ops.layer_backward_traffic * per_token, 0, 0)
+    if stack.selective_saves_ops:
+        # Op-level selective recompute redoes every op but the attention core and every other matmul.
+        work.selective = work.forward - work.linear_forward / 2 - attention_forward_total
     return work.finish(stack, shape.recompute)
 
 

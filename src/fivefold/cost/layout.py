@@ -179,7 +179,8 @@ def layer_costs(layout: Layout, env: RankEnv, stack: SoftwareStack):
     shape = LayerShape(layout.model, layout.train.seq_len, layout.micro_batch, layout.tp, layout.cp, layout.ep,
                        layout.sequence_parallel, layout.recompute)
     device = env.device
-    key = (shape, device.spec.name, device.peak, device.bandwidth, device.element_bytes, device.gemm_curve, stack,
+    key = (shape, device.spec.name, device.peak, device.fp8_gemm_peak, device.bandwidth, device.element_bytes,
+           device.gemm_curve, stack,
            env.tp, env.cp, env.ep)
     cached = _LAYER_CACHE.get(key)
     if cached is None:
@@ -188,7 +189,8 @@ def layer_costs(layout: Layout, env: RankEnv, stack: SoftwareStack):
         dropout = stack.uses_dropout(layout.model)
         cached = (layer_cost(shape, device, stack, env.tp, env.cp, env.ep),
                   embedding_cost(shape, device, stack, env.tp), head_cost(shape, device, stack, env.tp),
-                  layer_activation_bytes(shape, dropout, stack.attention, device.element_bytes),
+                  layer_activation_bytes(shape, dropout, stack.attention, device.element_bytes,
+                                         stack.selective_saves_ops),
                   layer_transient_bytes(shape, dropout, stack.attention, device.element_bytes))
         _LAYER_CACHE[key] = cached
     return cached

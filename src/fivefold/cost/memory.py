@@ -27,11 +27,12 @@ GIB = 2**30
 
 
 def zero_model_state_bytes(num_params: float, dtype: str, zero: int, shard: int,
-                           grads_sharded: bool = True) -> tuple[float, float, float]:
+                           grads_sharded: bool = True, unsharded_grad_bytes: float = 0) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes of `num_params` parameters on one rank.
 
     `grads_sharded=False`: ZeRO-2/3 gradients still accumulate whole, because the software reduces them
-    only once per step (torch.distributed.pipelining turns gradient sync off until the last backward)."""
+    only once per step (torch.distributed.pipelining turns gradient sync off until the last backward);
+    `unsharded_grad_bytes` then gives their bytes per element (FSDP2 accumulates them in its reduce dtype)."""
     if dtype == "fp32":
         weights, grads, optimizer = 4.0, 4.0, 8.0
     else:
@@ -40,6 +41,8 @@ def zero_model_state_bytes(num_params: float, dtype: str, zero: int, shard: int,
         optimizer /= shard
     if zero >= 2 and grads_sharded:
         grads /= shard
+    elif zero >= 2 and unsharded_grad_bytes:
+        grads = unsharded_grad_bytes  # whole gradients accumulated in the reduce dtype (FSDP2 without sync)
     if zero >= 3:
         weights /= shard
     return num_params * weights, num_params * grads, num_params * optimizer
@@ -57,8 +60,11 @@ def korthikanti_activation_bytes(seq_len: int, micro_batch: int, hidden: int, he
     return s * b * h * (10 + 24 / t + scores / t)
 
 
-def layer_activation_bytes(shape: LayerShape, dropout: bool, attention: str, element_bytes: int) -> float:
-    """Bytes one layer keeps from forward to backward for one micro-batch on one rank."""
+def layer_activation_bytes(shape: LayerShape, dropout: bool, attention: str, element_bytes: int,
+                           selective_ops: bool = False) -> float:
+    """Bytes one layer keeps from forward to backward for one micro-batch on one rank. `selective_ops`:
+    selective recompute at op level (TorchTitan): the layer input, every other matmul output and the
+    attention output (with its log-sum-exp) are kept, everything else is recomputed."""
     m, e, t = shape.model, element_bytes, shape.tp
     tokens = shape.micro_batch * shape.seq_len // shape.cp
     h = m.hidden
@@ -73,6 +79,10 @@ def layer_activation_bytes(shape: LayerShape, dropout: bool, attention: str, ele
     # Inside: Q, K, V; attention output (projection input); MLP hidden tensors.
     width = m.expert_ffn_hidden if m.is_moe else m.ffn_hidden
     mlp_tensors = 3 if m.mlp == "swiglu" else 2
+    if selective_ops and shape.recompute == "selective":
+        # QKV, output projection, the MLP's input matmuls (one per SwiGLU branch) and its output matmul.
+        matmul_outputs = (q + 2 * kv) / t + h + copies * (mlp_tensors - 1) * width / t + h
+        return e * tokens * (h * replicated_share + matmul_outputs / 2 + q / t) + tokens * m.heads / t * 4
     sharded = tokens * (e * (q + 2 * kv) + e * q + copies * e * mlp_tensors * width)
     if m.is_moe:
         replicated += tokens * m.experts * 4  # fp32 router probabilities

@@ -63,6 +63,19 @@ class SoftwareStack:
     #                                 costs (CPU), each pass costs eager_ops x seconds per op (step.py)
     collective_per_module: bool = False  # FSDP2 / replicate gather and reduce each wrapped module (each block
     #                                      and stage model) in its own collective, not in large buckets
+    selective_saves_ops: bool = False  # selective recompute is op-level (TorchTitan's SAC): matmul and attention
+    #                                    outputs kept (every other matmul's only), the element-wise ops redone;
+    #                                    False: Korthikanti's, which redoes only the attention core
+    loss_fp32_copies: int = 1  # fp32 tensors of the logits' size the loss holds: 1 for Megatron's fused
+    #                            vocab-parallel cross-entropy, 2 for upcast + log-softmax (plain cross_entropy)
+    allocator_slack: float = 0.0  # caching-allocator reserve beyond what is allocated (block rounding and
+    #                               fragmentation), a share of the activations and working memory that churn
+    sdpa_flash2: bool = False  # attention through PyTorch SDPA's FlashAttention-2 (slower on Hopper than the
+    #                            FA3 / cuDNN kernels Transformer Engine uses)
+    loss_parallel_fp32_copies: int = 0  # with tp > 1, extra fp32 logit-sized tensors of DTensor's loss parallel
+    #                                    (its log-softmax materializes x - max and exp(x - max))
+    fused_elementwise: bool = True  # norms, RoPE, SwiGLU run as fused kernels (TE, Megatron, torch.compile);
+    #                                 False: eager PyTorch ops, each reading and writing memory (eager_ops traffic)
     features: Features = Features()  # what the software can run at all
 
     def uses_dropout(self, model: ModelSpec) -> bool:
@@ -114,6 +127,8 @@ STACKS: dict[str, SoftwareStack] = {
     # reduced in fp32 (bf16 params, fp32 reduce under MixedPrecisionPolicy).
     "torchtitan": SoftwareStack(name="torchtitan", dropout=False, grad_reduce_bytes=4, overlap_tp_comm=True,
                                 pipeline_defers_grad_sync=True, zero2_reshards_after_backward=True,
+                                selective_saves_ops=True, loss_fp32_copies=2, loss_parallel_fp32_copies=1,
+                                sdpa_flash2=True, allocator_slack=0.25,
                                 features=Features(parallelisms=("dp", "tp", "pp", "cp"), zero_levels=(0, 2, 3),
                                                   cp_methods=("all-gather",), fp8=True, fp8_all_gather=True,
                                                   built_on="FSDP2, DTensor TP, async TP, torch pipelining, "

@@ -223,25 +223,32 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
     step = pipe.total + dp_exposed + optimizer
 
     # Memory: a group peaks on its first rank (the one with the most micro-batches in flight).
-    logits = (4 + e) * tokens * padded_vocab(layout.model.vocab, layout.tp) / layout.tp
+    copies = stack.loss_fp32_copies + (stack.loss_parallel_fp32_copies if layout.tp > 1 else 0)
+    logits = (4 * copies + e) * tokens * padded_vocab(layout.model.vocab, layout.tp) / layout.tp
     sync = data_parallel_sync(stack, layout.zero, p)
+    # FSDP2 with gradient sync off (pp > 1) accumulates the unsharded gradients in its reduce dtype.
+    unsharded_grad_bytes = stack.gradient_bytes(layout.train.dtype) if stack.pipeline_defers_grad_sync else 0
     layer_weights = 2 * sum(stage_params(layout, 1, False, False)) * e if layout.zero == 3 else 0.0  # this + next
+    if layout.train.dtype == "fp8":  # the computing layer's FP8 weight copy and its transpose (1 byte each)
+        layer_weights += 2 * sum(stage_params(layout, 1, False, False))
 
     states: dict[int, list[float]] = {}
 
     def memory_parts(group: RankGroup, r: int) -> list[float]:
         if id(group) not in states:
             states[id(group)] = [a + b for a, b in zip(
-                zero_model_state_bytes(group.dense, layout.train.dtype, layout.zero, replica_shard, sync.grads_sharded),
+                zero_model_state_bytes(group.dense, layout.train.dtype, layout.zero, replica_shard, sync.grads_sharded,
+                                       unsharded_grad_bytes),
                 zero_model_state_bytes(group.expert, layout.train.dtype, layout.zero, expert_shard,
-                                       sync.grads_sharded))]
+                                       sync.grads_sharded, unsharded_grad_bytes))]
         parts = states[id(group)][:]
         chunks = in_flight_chunks(layout.schedule, p, layout.virtual_stages, m_batches, r)
         parts.append(chunks * group.activation / group.chunks)
         # ZeRO-3 holds the layers being gathered, or, kept gathered between passes, all of the rank's.
         gathered = (group.dense + group.expert) * e if sync.keeps_gathered else layer_weights
-        parts.append(costs_of[id(group.env)][4] + gathered + (logits if group.last else 0.0))
-        parts.append(stack.reserved_bytes)
+        working = costs_of[id(group.env)][4] + gathered + (logits if group.last else 0.0)
+        parts.append(working)
+        parts.append(stack.reserved_bytes + stack.allocator_slack * (parts[3] + working))
         return parts
 
     peak_group, peak_parts, peak_ratio, fits = ordered[0], [], -1.0, True
@@ -257,7 +264,7 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
     group_of_rank = {r: g for g in ordered for r in g.ranks}
     rank_memory = [RankMemory(*memory_parts(group_of_rank[r], r)) for r in range(p)]
     stages = _stage_list(layout, stack, envs, costs_of, owners, first_ranks, topology, activation_message,
-                         embedding_activation, replica_shard, expert_shard, sync.grads_sharded)
+                         embedding_activation, replica_shard, expert_shard, sync.grads_sharded, unsharded_grad_bytes)
     train, world = layout.train, layout.world_size
     model_flops = model_flops_per_step(layout.model, train)
     hardware_flops = hardware_flops_per_step(layout.model, train, layout.recompute)
@@ -381,7 +388,7 @@ def _pipeline_shape(layout: Layout, topology: Topology, envs: list[RankEnv], own
 def _stage_list(layout: Layout, stack: SoftwareStack, envs: list[RankEnv], costs_of: dict, owners: list[int],
                 first_ranks: list[int], topology: Topology, activation_message: float,
                 embedding_activation: float, replica_shard: int, expert_shard: int,
-                grads_sharded: bool) -> list[StageCost]:
+                grads_sharded: bool, unsharded_grad_bytes: float = 0) -> list[StageCost]:
     """One StageCost per virtual stage, model order (identical stages are computed once)."""
     stages = []
     num_stages = len(owners)
@@ -405,8 +412,9 @@ def _stage_list(layout: Layout, stack: SoftwareStack, envs: list[RankEnv], costs
             send = 0.0 if target is None else p2p_time(activation_message, topology.pair_link(source, target))
             dense, expert = stage_params(layout, layers, first, last, holds_embedding=r == owners[0])
             static = sum(zero_model_state_bytes(dense, layout.train.dtype, layout.zero, replica_shard,
-                                                grads_sharded)) + sum(
-                zero_model_state_bytes(expert, layout.train.dtype, layout.zero, expert_shard, grads_sharded))
+                                                grads_sharded, unsharded_grad_bytes)) + sum(
+                zero_model_state_bytes(expert, layout.train.dtype, layout.zero, expert_shard, grads_sharded,
+                                       unsharded_grad_bytes))
             fields = made[key] = dict(
                 forward=cost.forward, backward_input=cost.backward_input + cost.recompute,
                 backward_weight=cost.backward_weight, send_activation=send,

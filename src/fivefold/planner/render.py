@@ -40,7 +40,7 @@ def estimate_renderables(estimate: Estimate, title: str) -> list:
                     " per GPU)")
     summary.add_row("model TFLOP/s per GPU", f"{estimate.model_tflops_per_gpu:.1f}  (with recompute "
                     f"{estimate.hardware_tflops_per_gpu:.1f})")
-    summary.add_row("MFU", f"{estimate.mfu:.1%}")
+    summary.add_row("MFU", f"{estimate.mfu:.1%}" + (f"  (of the {estimate.mfu_basis})" if estimate.mfu_basis else ""))
     summary.add_row("pipeline bubble", f"{estimate.bubble_fraction:.1%} of the step")
     verdict = "[green]fits[/green]" if estimate.fits else "[red]does NOT fit[/red]"
     summary.add_row("memory per GPU", f"{estimate.memory.total / GIB:.1f} GiB of {estimate.capacity_bytes / GIB:.1f}"

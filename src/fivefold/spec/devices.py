@@ -45,6 +45,9 @@ class DeviceSpec:
         """Peak FLOP/s for a training dtype; fp32 training uses TF32 tensor cores where they exist."""
         if dtype == "fp32" and "tf32" in self.peak_flops:
             return self.peak_flops["tf32"]
+        if dtype == "fp8" and dtype not in self.peak_flops:
+            raise SpecError("train.dtype", dtype, f"{self.name} has no FP8 tensor cores (FP8 training needs H100, "
+                            "H200, B200, L40S, RTX-4090 or MI300X); train in bf16")
         if dtype not in self.peak_flops:
             raise SpecError("train.dtype", dtype,
                             f"{self.name} has no {dtype} peak; known: {', '.join(self.peak_flops)}")
