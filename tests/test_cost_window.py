@@ -14,7 +14,7 @@ from fivefold.spec.devices import device_named
 
 # Qwen3-8B-like attention: 32 heads of 128 on hidden 4096 -> q width 4096; Qwen3-0.6B: 16 x 128 on 1024.
 WIDE = ModelSpec(name="wide-heads", layers=4, hidden=1024, heads=16, kv_heads=8, head_dim=128, ffn_hidden=3072,
-                 vocab=32000)
+                 vocab=32000, max_seq_len=32768)
 
 
 def test_head_dim_sets_the_projection_flops() -> None:
