@@ -45,11 +45,11 @@ def _full_tensor(name: str, module: nn.Module, leaf: str, shape: torch.Size, see
     """The whole (unsharded) initial value of module.<leaf>, fp32 on CPU."""
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
-    if leaf == "bias":
+    if leaf in ("bias", "expert_bias"):
         return torch.zeros(shape)
     # Residual-branch output projections get a smaller std so the residual stream does not grow with
     # depth (GPT-2 paper, section 2.3; nanoGPT c_proj).
-    std = INIT_STD / math.sqrt(2 * layers) if name.endswith(("wo.weight", "w2.weight")) else INIT_STD
+    std = INIT_STD / math.sqrt(2 * layers) if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else INIT_STD
     generator = torch.Generator(device="cpu")
     generator.manual_seed(stable_seed(seed, name))
     return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)

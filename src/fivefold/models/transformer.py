@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.errors import SpecError
+from fivefold.models.moe import MoE
 from fivefold.spec import ModelSpec
 
 
@@ -40,7 +40,8 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
 
 
 class Attention(nn.Module):
-    """Causal self-attention with grouped-query heads; RoPE when `use_rope`."""
+    """Causal self-attention with grouped-query heads; RoPE when `use_rope`; per-head q/k RMSNorm before
+    RoPE when `qk_norm` (Qwen3). The head width is spec.head_dim, which may differ from hidden/heads."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -53,6 +54,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(spec.hidden, kv_width, bias=bias)
         self.wv = nn.Linear(spec.hidden, kv_width, bias=bias)
         self.wo = nn.Linear(spec.heads * spec.head_dim, spec.hidden, bias=bias)
+        self.q_norm = nn.RMSNorm(spec.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
+        self.k_norm = nn.RMSNorm(spec.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -61,6 +64,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
             cos, sin = cos[None, :, None, :], sin[None, :, None, :]
@@ -99,14 +104,15 @@ def make_norm(spec: ModelSpec) -> nn.Module:
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attention(norm(x)), then x + feed_forward(norm(x))."""
+    """Pre-norm block: x + attention(norm(x)), then x + feed_forward(norm(x)); feed_forward is the MoE
+    block in the layers spec.is_moe_layer selects."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = make_norm(spec)
         self.attention = Attention(spec)
         self.ffn_norm = make_norm(spec)
-        self.feed_forward = FeedForward(spec)
+        self.feed_forward: nn.Module = MoE(spec) if spec.is_moe_layer(layer) else FeedForward(spec)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), positions)
@@ -119,14 +125,11 @@ class Transformer(nn.Module):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        if spec.is_moe:
-            raise SpecError("model.experts", spec.experts, "MoE layers are not supported by the runtime yet; "
-                                                          "use experts=0")
         self.spec = spec
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab, spec.hidden)
         self.pos_embeddings: nn.Embedding | None = (
             nn.Embedding(spec.max_seq_len, spec.hidden) if spec.position == "learned" else None)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(spec) for i in range(spec.layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(spec, i) for i in range(spec.layers)})
         self.norm: nn.Module | None = make_norm(spec)
         self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
         self.tie_weights()

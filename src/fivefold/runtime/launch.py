@@ -40,8 +40,9 @@ def check_runnable(plan: Plan, nproc: int, device: str = "cpu", gpus: int = 0, l
                     f"starts rank {rank} on node {slots[rank].node}; across machines the runtime permutes devices "
                     "within a node only")
     require(plan.cp == 1, "plan.cp", plan.cp, "context parallelism is not in the runtime yet; use cp=1")
-    require(plan.ep == 1 and not plan.model.is_moe, "model.experts", plan.model.experts,
-            "MoE models are not in the runtime yet; use a dense model")
+    if plan.model.is_moe:
+        from fivefold.runtime.expert_parallel import check_moe_runnable
+        check_moe_runnable(plan)
     m, t = plan.model, plan.train
     if plan.tp > 1:
         require(m.vocab % plan.tp == 0, "plan.tp", plan.tp,

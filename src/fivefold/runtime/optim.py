@@ -52,6 +52,12 @@ def _replicas(plan: Plan, sharded_dims: set[str]) -> int:
     for dim in MESH_DIMS:
         if dim != "pp" and dim not in sharded_dims:
             count *= getattr(plan, dim)
+    # Experts live on the (pp, edp, ep, tp) view of the same world (runtime/expert_parallel.py): ep and
+    # edp together are the dp x cp ranks.
+    if "ep" in sharded_dims:
+        count //= plan.ep
+    if "edp" in sharded_dims:
+        count //= plan.dp * plan.cp // plan.ep
     return count
 
 

@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, parallelize_module)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from fivefold.models import Transformer
+from fivefold.models import MoE, Transformer
 
 
 # --- tensor parallel -------------------------------------------------------------------------------
@@ -66,7 +66,10 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
             "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=seq),
             "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         }
-        if block.feed_forward.w3 is not None:
+        moe = isinstance(block.feed_forward, MoE)
+        if moe:  # experts are not split by tp (runtime/expert_parallel.py says why)
+            del block_plan["feed_forward.w1"], block_plan["feed_forward.w2"]
+        elif block.feed_forward.w3 is not None:
             block_plan["feed_forward.w3"] = ColwiseParallel()
         if sequence_parallel:
             block_plan.update({
@@ -76,6 +79,9 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
                                                 desired_input_layouts=(Replicate(), None)),
                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             })
+            if moe:
+                from fivefold.runtime.expert_parallel import moe_tensor_parallel_style
+                block_plan["feed_forward"] = moe_tensor_parallel_style(True)
         parallelize_module(block, tp_mesh, block_plan)
 
 

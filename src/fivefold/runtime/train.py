@@ -33,6 +33,8 @@ from fivefold.elastic.stragglers import ForwardClock, StragglerWatch, describe_s
 from fivefold.models import init_weights
 from fivefold.runtime.checkpointing import Checkpointer, log_to
 from fivefold.runtime.config import RunConfig
+from fivefold.runtime.expert_parallel import (expert_mesh, forget_metadata_inference, moe_step_metrics,
+                                              prepare_moe)
 from fivefold.runtime.mesh import Mesh, build_mesh, init_distributed, pick_device
 from fivefold.runtime.metrics import (MetricsFile, Progress, gather_from_ranks, peak_flops, peak_memory_gib,
                                       seconds_since)
@@ -71,11 +73,14 @@ def compute_dtype(plan: Plan, device: torch.device) -> torch.dtype | None:
 def build_model_parts(plan: Plan, mesh: Mesh, seed: int, param_dtype: torch.dtype | None) -> dict[int, nn.Module]:
     """This rank's stage models, keyed by virtual stage index, parallelized and initialised."""
     parts = {}
+    moe_mesh = expert_mesh(plan, mesh.device) if plan.ep > 1 else None
     for stage in plan.stages_of(mesh.coords["pp"]):
         model = slow_down(build_stage_model(plan, stage), plan, mesh.rank)  # test-only knob (slowdown.py)
         if plan.tp > 1:
             apply_tensor_parallel(model, mesh["tp"], plan.sequence_parallel)
         apply_activation_checkpointing(model, plan.recompute)
+        if plan.model.is_moe:
+            prepare_moe(model, plan, moe_mesh, param_dtype)  # experts over ep, before dp wraps the blocks
         if plan.dp > 1:
             apply_data_parallel(model, mesh["dp"], plan.zero, param_dtype)
         model.to_empty(device=mesh.device)
@@ -164,6 +169,8 @@ def train(config: RunConfig) -> dict:
     schedule = None
     if plan.pp > 1:
         schedule = build_schedule(plan, parts, mesh.group("pp"), device, micro_batches, loss_fn)
+        if plan.model.is_moe:
+            forget_metadata_inference(schedule, parts)
     model = parts[0] if plan.pp == 1 else None
     tracer = StepTracer.for_run(config, plan, mesh.rank, device, schedule)
     loader = make_loader(config, plan)
@@ -223,6 +230,7 @@ def train(config: RunConfig) -> dict:
             if not verdict.bad:  # the loss guard: a bad step leaves weights and optimizer state untouched
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        moe_metrics = moe_step_metrics(parts, plan, device, not verdict.bad) if plan.model.is_moe else {}
         own_step_time = seconds_since(start, device)  # this rank's step, before the gathers below
         memory_per_rank, time_per_rank, forward_per_rank = zip(*gather_from_ranks(
             [peak_memory_gib(device), own_step_time, forward_clock.take()], device, mesh.rank))
@@ -238,7 +246,7 @@ def train(config: RunConfig) -> dict:
                   "mfu": flops_per_step / (step_time * total_peak_flops), "peak_memory_gib": memory,
                   "peak_memory_gib_per_rank": list(memory_per_rank), "step_time_s_per_rank": list(time_per_rank),
                   "first_step": first_step + 1, "forward_time_s_per_rank": list(forward_per_rank),
-                  "skipped": verdict.bad, "wall_time": time.time()}
+                  "skipped": verdict.bad, "wall_time": time.time(), **moe_metrics}
         history.append(record)
         guard.record(verdict, loss_value, position)
         if is_rank0:

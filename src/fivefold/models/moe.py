@@ -1,0 +1,183 @@
+"""The mixture-of-experts block that replaces the dense MLP in the MoE layers of a ModelSpec.
+
+    router (fp32 softmax over experts) -> top_k experts per token (renormalised when router_norm_topk)
+    -> token copies sorted by expert -> dispatcher (local, or all-to-all over the ep group)
+    -> each expert's SwiGLU/GeLU MLP on its rows -> back -> weighted sum over the top_k copies
+    (+ shared experts every token visits).
+
+Dropless: every routed copy is computed, there is no capacity factor. The dispatcher is the only thing
+expert parallelism changes (runtime/expert_parallel.py swaps in an all-to-all one), so one code path
+serves every plan and parity with the single-process run is by construction.
+
+Auxiliary load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4; Mixtral's
+load_balancing_loss_func): E * sum_e f_e * P_e with f_e the fraction of tokens routed to expert e
+(counting every top_k copy, so a balanced router scores top_k) and P_e the mean router probability.
+It is computed per sequence and summed over the sequences of the global batch (DeepSeek-V3's
+sequence-wise balance loss), so it splits exactly over micro-batches and replicas like the token loss.
+The loss enters backward through AuxLossToGrad: the block's output carries it, so pipeline schedules
+and the language-model loss need no change (Megatron-Core's MoEAuxLossAutoScaler does the same).
+
+Auxiliary-loss-free balancing (DeepSeek-V3, Liu et al. 2024, section 2.1.2): a per-expert bias added to
+the scores for selection only; the runtime moves it by router_bias_rate * sign(mean load - load) after
+every step from the global expert load.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fivefold.spec import ModelSpec
+
+
+class AuxLossToGrad(torch.autograd.Function):
+    """Identity on `output`; in backward, also gives the auxiliary loss the gradient 1, so it is part of
+    the training loss without being added to what the model returns."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.ones_like(aux_loss)
+
+
+class LocalDispatch:
+    """All experts live here (no expert parallelism): rows go straight to the experts."""
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, list[int], object]:
+        return rows, counts.tolist(), None
+
+    def combine(self, rows: torch.Tensor, state: object) -> torch.Tensor:
+        return rows
+
+
+class GroupedExperts(nn.Module):
+    """`experts` MLPs stored as stacked weights w1/w3 [E, f, h] and w2 [E, h, f] (nn.Linear's out x in
+    per expert, so Hugging Face experts copy over as they are). Under expert parallelism these are
+    DTensors sharded on dim 0 over the ep mesh and forward uses this rank's slice."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        e, h, f = spec.experts, spec.hidden, spec.expert_ffn_hidden
+        self.swiglu = spec.mlp == "swiglu"
+        self.w1 = nn.Parameter(torch.empty(e, f, h))
+        self.w2 = nn.Parameter(torch.empty(e, h, f))
+        self.w3 = nn.Parameter(torch.empty(e, f, h)) if self.swiglu else None
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """`rows` grouped by local expert, counts[i] rows for local expert i."""
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        outputs = []
+        for index, chunk in enumerate(rows.split(counts)):
+            if self.swiglu:
+                hidden = F.silu(chunk @ w1[index].T) * (chunk @ w3[index].T)
+            else:
+                hidden = F.gelu(chunk @ w1[index].T)
+            outputs.append(hidden @ w2[index].T)
+        if not outputs:
+            return rows.new_zeros(0, w2.shape[1])
+        return torch.cat(outputs)
+
+
+def _local(weight: torch.Tensor | None) -> torch.Tensor | None:
+    if weight is not None and hasattr(weight, "to_local"):  # a DTensor: this rank's experts
+        return weight.to_local()
+    return weight
+
+
+class SharedExperts(nn.Module):
+    """Experts every token visits, as one MLP of width shared_experts * expert_ffn_hidden."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        width = spec.shared_experts * spec.expert_ffn_hidden
+        self.swiglu = spec.mlp == "swiglu"
+        self.w1 = nn.Linear(spec.hidden, width, bias=False)
+        self.w2 = nn.Linear(width, spec.hidden, bias=False)
+        self.w3 = nn.Linear(spec.hidden, width, bias=False) if self.swiglu else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class MoE(nn.Module):
+    """Top-k routed experts (+ shared experts): [batch, seq, hidden] -> [batch, seq, hidden]."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.experts_count, self.top_k = spec.experts, spec.top_k
+        self.norm_topk = spec.router_norm_topk
+        self.aux_loss_coef = spec.aux_loss_coef
+        self.router = nn.Linear(spec.hidden, spec.experts, bias=False)
+        self.experts = GroupedExperts(spec)
+        self.shared_experts = SharedExperts(spec) if spec.shared_experts else None
+        if spec.router_bias_rate > 0:
+            self.register_buffer("expert_bias", torch.zeros(spec.experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+        self.dispatcher: LocalDispatch = LocalDispatch()
+        # 1 / (MoE layers x sequences in the global batch): the runtime sets it so the auxiliary loss sums
+        # over the global batch like the token loss; None = a mean over this call's sequences.
+        self.aux_loss_scale: float | None = None
+        self.moe_layers = spec.moe_layers
+        # Since the last take_stats(): tokens routed to each expert, and the summed auxiliary loss.
+        self.load: torch.Tensor | None = None  # made on first use (the module is built on meta)
+        self.aux_loss_sum = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        tokens = x.reshape(-1, hidden)
+        # Routing in fp32 whatever the compute dtype: top-k choices must not flip with bf16 rounding.
+        logits = F.linear(tokens.float(), self.router.weight.float())
+        scores = logits.softmax(dim=-1)
+        chooser = scores if self.expert_bias is None else scores + self.expert_bias
+        chosen = chooser.topk(self.top_k, dim=-1).indices  # [tokens, top_k]
+        weights = scores.gather(-1, chosen)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)  # token copies grouped by expert, in token order within one
+        counts = torch.bincount(flat, minlength=self.experts_count)
+        rows = tokens[order // self.top_k]
+        received, local_counts, state = self.dispatcher.dispatch(rows, counts)
+        returned = self.dispatcher.combine(self.experts(received, local_counts), state)
+        per_copy = returned[order.argsort()].view(-1, self.top_k, hidden)
+        out = (per_copy * weights.unsqueeze(-1).to(per_copy.dtype)).sum(dim=1)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        out = out.view(batch, seq, hidden)
+
+        recording = torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1  # not a recompute
+        if recording:
+            counted = counts.detach().to(torch.float64)
+            self.load = counted if self.load is None else self.load + counted
+        if self.aux_loss_coef > 0 and torch.is_grad_enabled():
+            aux = self.aux_loss(scores, chosen, batch, seq)
+            if recording:
+                self.aux_loss_sum += aux.item()
+            out = AuxLossToGrad.apply(out, aux)
+        return out
+
+    def aux_loss(self, scores: torch.Tensor, chosen: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+        """coef x sum over sequences of E * sum_e f_e P_e, times aux_loss_scale."""
+        routed = torch.zeros_like(scores).scatter_(1, chosen, 1.0)  # [tokens, E]: 1 where a copy went
+        fraction = routed.view(batch, seq, -1).mean(dim=1)  # f per sequence, sums to top_k
+        probability = scores.view(batch, seq, -1).mean(dim=1)  # P per sequence
+        per_sequence = self.experts_count * (fraction * probability).sum(dim=-1)
+        scale = self.aux_loss_scale if self.aux_loss_scale is not None else 1.0 / (self.moe_layers * batch)
+        return self.aux_loss_coef * per_sequence.sum() * scale
+
+    def take_stats(self) -> tuple[torch.Tensor, float]:
+        """Tokens per expert and the summed auxiliary loss recorded since the last call; resets both."""
+        load = self.load if self.load is not None else torch.zeros(self.experts_count, dtype=torch.float64)
+        aux = self.aux_loss_sum
+        self.load, self.aux_loss_sum = None, 0.0
+        return load, aux

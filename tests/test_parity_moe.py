@@ -1,0 +1,93 @@
+"""Expert parallelism computes the same training run: tiny-moe, 5 fp32 steps on CPU/gloo, loss, global
+gradient norm, auxiliary loss and expert load match the single-process run within 1e-5 relative under ep
+folded over dp (with ZeRO, pp and tp), and a checkpoint resumes across an ep change (ep2 -> ep1,
+ep1 -> ep4) within 1e-5.
+
+One launch per world size (as in test_parity_plans.py); the resumes run after their sources in it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fivefold.checkpoint import step_dir
+from fivefold.runtime import RunConfig, launch
+from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
+
+STEPS, SAVED_AT, RTOL = 5, 3, 1e-5
+MODEL = PRESETS["tiny-moe"]
+
+# name -> plan fields (world 4 unless the name says otherwise)
+PLANS: dict[str, dict] = {
+    "dp4-ep1": dict(dp=4, micro_batch=2),
+    "dp4-ep2": dict(dp=4, ep=2, micro_batch=2),
+    "dp4-ep4-zero1": dict(dp=4, ep=4, zero=1, micro_batch=1),
+    "dp4-ep2-zero3": dict(dp=4, ep=2, zero=3, micro_batch=1),
+    "dp2xpp2-ep2-1f1b": dict(dp=2, pp=2, ep=2, schedule="1f1b", micro_batch=2),
+    "dp2xpp2-ep2-zbv": dict(dp=2, pp=2, ep=2, zero=2, schedule="zbv", virtual_stages=2, micro_batch=2),
+    "dp2xtp2-ep2-sp": dict(dp=2, tp=2, ep=2, sequence_parallel=True, micro_batch=2),
+}
+RESUMES = {"ep2 -> ep1": ("dp4-ep2", 1, {}), "ep1 -> ep4": ("dp4-ep1", 4, dict(dp=4, ep=4, micro_batch=2))}
+
+
+def make_plan(world: int, **fields) -> Plan:
+    return Plan(model=MODEL, cluster=parse_cluster(f"1x{world}xcpu"),
+                train=TrainSpec(seq_len=32, global_batch=8, dtype="fp32"), **fields)
+
+
+def config(folder: Path, name: str, plan: Plan, **fields) -> RunConfig:
+    return RunConfig(plan.to_toml(), steps=STEPS, seed=0, device="cpu", show_progress=False,
+                     metrics_file=str(folder / f"{name}.jsonl"), **fields)
+
+
+def records(folder: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (folder / f"{name}.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("moe")
+    world4 = [config(folder, name, make_plan(4, **fields), checkpoint_dir=str(folder / name),
+                     checkpoint_every=SAVED_AT) for name, fields in PLANS.items()]
+    world4 += [config(folder, name, make_plan(world, **fields), resume_from=str(step_dir(folder / source, SAVED_AT)))
+               for name, (source, world, fields) in RESUMES.items() if world == 4]
+    launch(world4, 4)
+    world1 = [config(folder, "reference", make_plan(1))]
+    world1 += [config(folder, name, make_plan(world, **fields), resume_from=str(step_dir(folder / source, SAVED_AT)))
+               for name, (source, world, fields) in RESUMES.items() if world == 1]
+    launch(world1, 1)
+    return folder
+
+
+def assert_same_run(expected: list[dict], got: list[dict], name: str) -> None:
+    for ref, rec in zip(expected, got, strict=True):
+        for key in ("loss", "grad_norm", "aux_loss", "expert_load_max_over_mean"):
+            assert rec[key] == pytest.approx(ref[key], rel=RTOL), (name, rec["step"], key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PLANS))
+def test_expert_parallel_matches_single_process(folder, name):
+    assert_same_run(records(folder, "reference"), records(folder, name), name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_resume_across_an_ep_change(folder, name):
+    resumed = records(folder, name)
+    assert [r["step"] for r in resumed] == list(range(SAVED_AT + 1, STEPS + 1))
+    assert_same_run(records(folder, "reference")[SAVED_AT:], resumed, name)
+    assert_same_run(records(folder, RESUMES[name][0])[SAVED_AT:], resumed, name)
+
+
+@pytest.mark.slow
+def test_reference_learns_with_aux_loss_and_load_metrics(folder):
+    reference = records(folder, "reference")
+    assert reference[-1]["loss"] < reference[0]["loss"] - 0.3
+    # 4 MoE layers, coefficient 0.01, top-2: a balanced router scores 0.01 * 2 per layer (mean over layers).
+    assert reference[0]["aux_loss"] == pytest.approx(0.02, rel=0.1)
+    assert all(1.0 <= r["expert_load_max_over_mean"] < 4.0 for r in reference)
+    assert len(reference[0]["expert_load_per_layer"]) == 4
