@@ -88,6 +88,7 @@ class Report:
     timeline_step: int | None = None  # the traced step drawn in the picture
     timeline: str | None = None  # path of the picture, once written
     notes: list[str] = field(default_factory=list)
+    moe: dict | None = None  # MoE runs: auxiliary loss and expert load (tokens per expert, max/mean)
 
     def to_dict(self) -> dict:
         return {"run": self.run, "plan": self.plan, "stack": self.stack, "warmup_steps": self.warmup_steps,
@@ -96,7 +97,7 @@ class Report:
                 "ranks": self.ranks, "breakdown": self.breakdown,
                 "largest_sources_of_error": [s.to_dict() for s in self.sources[:SOURCES_SHOWN]],
                 "sources": [s.to_dict() for s in self.sources], "timeline_step": self.timeline_step,
-                "timeline": self.timeline, "notes": self.notes}
+                "timeline": self.timeline, "notes": self.notes, "moe": self.moe}
 
 
 def default_stack() -> str:
@@ -109,6 +110,16 @@ def default_stack() -> str:
 def _median(records: list[dict], name: str, index: int | None = None) -> float | None:
     values = [r[name] if index is None else r[name][index] for r in records if name in r]
     return statistics.median(values) if values else None
+
+
+def moe_summary(records: list[dict]) -> dict | None:
+    """Auxiliary loss and expert load of the measured steps (the metrics an MoE run writes), or None."""
+    if not any("expert_load_max_over_mean" in r for r in records):
+        return None
+    loads = [r["expert_load_max_over_mean"] for r in records if "expert_load_max_over_mean" in r]
+    return {"aux_loss_median": _median(records, "aux_loss"), "aux_loss_last": records[-1].get("aux_loss"),
+            "expert_load_max_over_mean_median": statistics.median(loads),
+            "expert_load_max_over_mean_worst": max(loads)}
 
 
 def build_report(run: Run, stack_name: str | None = None) -> tuple[Report, Any, Any]:
@@ -154,7 +165,7 @@ def build_report(run: Run, stack_name: str | None = None) -> tuple[Report, Any, 
 
     report = Report(run=str(run.folder), plan=plan.describe(), stack=stack.name, warmup_steps=run.warmup_steps,
                     measured_steps=[r["step"] for r in measured], figures=figures, ranks=ranks, breakdown=[],
-                    sources=[], notes=notes)
+                    sources=[], notes=notes, moe=moe_summary(run.measured))
     sim_parts = simulated_parts(simulated)
     steps = split_by_step(run.trace, run.warmup_steps) if run.trace else []
     if steps:

@@ -91,6 +91,12 @@ def report_renderables(report: Report) -> list[Any]:
                      f"{seconds(source.measured_s)}: {'+' if source.error_s >= 0 else '-'}"
                      f"{seconds(abs(source.error_s))}{each}")
     out.append("\n".join(lines))
+    if report.moe:
+        moe = report.moe
+        out.append(f"[bold]mixture of experts[/bold]: auxiliary loss {moe['aux_loss_median']:.4g} (median; last step "
+                   f"{moe['aux_loss_last']:.4g}); expert load, tokens of the busiest expert / mean over experts "
+                   f"(worst layer): median {moe['expert_load_max_over_mean_median']:.3g}, worst step "
+                   f"{moe['expert_load_max_over_mean_worst']:.3g} (1 = balanced)")
     for note in report.notes:
         out.append(f"note: {note}")
     if report.timeline:

@@ -85,6 +85,9 @@ def check_moe_runnable(plan: Plan) -> None:
         require(not plan.replica_micro_batches, "plan.replica_micro_batches", list(plan.replica_micro_batches),
                 "uneven replicas cannot share experts: every rank of an ep group must run the same number of "
                 "all-to-alls; use even micro-batches with ep > 1")
+    if plan.cp > 1:
+        require(plan.model.aux_loss_coef == 0, "model.aux_loss_coef", plan.model.aux_loss_coef,
+                "the per-sequence auxiliary loss is not summed over a sequence split by cp yet; use cp=1 or 0")
     if plan.tp > 1:
         require(not plan.model.qk_norm, "model.qk_norm", True,
                 "per-head q/k norms are not split by tensor parallelism here; use tp=1 (or ep/dp instead)")

@@ -1,0 +1,44 @@
+"""MoE through the command line: `fivefold train` of tiny-moe with --ep writes the auxiliary loss and the
+expert load into the metrics file, `fivefold report` shows them, and bad MoE layouts stop in one line."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from fivefold.cli import main
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cluster", "1x4xcpu", "--ep", "3"], "error: plan.ep=3: must divide dp*cp="),
+    (["--cluster", "1x4xcpu", "--ep", "8"], "error: plan.ep=8: must divide dp*cp="),
+    (["--cluster", "1x4xcpu", "--dp", "2", "--tp", "2", "--model", "preset=tiny-moe,qk_norm=true"],
+     "error: model.qk_norm=True: per-head q/k norms are not split by tensor parallelism here"),
+])
+def test_bad_moe_layouts_stop_with_one_line(capsys, argv, message):
+    assert main(["train", "--device", "cpu", "--model", "tiny-moe", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(message) and "\n" not in err
+
+
+@pytest.mark.slow
+def test_train_with_ep_writes_moe_metrics_and_report_shows_them(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--device", "cpu", "--model", "tiny-moe", "--cluster", "1x2xcpu", "--ep", "2",
+                 "--steps", "4", "--seq-len", "32", "--global-batch", "4", "--metrics-file",
+                 str(run / "metrics.jsonl")]) == 0
+    capsys.readouterr()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for record in records:
+        assert 0.005 < record["aux_loss"] < 0.05  # coefficient 0.01 x top_k 2 near balance
+        assert 1.0 <= record["expert_load_max_over_mean"] <= 4.0 and len(record["expert_load_per_layer"]) == 4
+    assert main(["report", str(run), "--json"]) == 0
+    moe = json.loads(capsys.readouterr().out)["moe"]
+    measured = records[2:]  # after the two warm-up steps
+    assert moe["aux_loss_median"] == pytest.approx(statistics.median(r["aux_loss"] for r in measured))
+    assert moe["expert_load_max_over_mean_worst"] == max(r["expert_load_max_over_mean"] for r in measured)
+    assert main(["report", str(run)]) == 0
+    assert "mixture of experts: auxiliary loss" in capsys.readouterr().out
