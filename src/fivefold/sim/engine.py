@@ -200,6 +200,14 @@ def simulate(step: StepInput) -> SimResult:
 _START_LANE = itemgetter(3, 1)  # Event.start, Event.lane
 
 
+# An Event from all its fields without NamedTuple's argument handling: hundreds of thousands per step.
+_new_tuple = tuple.__new__
+
+
+# What a rank's next action can wait for, one table each, indexed (table * stages + stage) * m + micro-batch.
+ACTIVATION_IN, GRADIENT_IN, FORWARD_DONE, INPUT_DONE = range(4)
+
+
 class _Replay:
     """The event loop over one pipeline's action orders (module docstring, "How it runs")."""
 
@@ -219,10 +227,11 @@ class _Replay:
         self.total = sum(len(a) for a in orders)
         self.visits = 0
         self.events: list[Event] = []
-        # What has been produced: ("F"|"I", stage, mb) -> when that pass ended on its rank;
-        # (">F"|">B", stage, mb) -> when that stage's activation / gradient input is on its rank.
-        self.produced: dict[tuple[str, int, int], float] = {}
-        self.parked: dict[tuple[str, int, int], int] = {}  # input key -> the rank whose next action needs it
+        # produced[key]: when an input became available (None: not yet); parked[key]: the rank whose next
+        # action waits for it (-1: none). Flat lists: O(1) without hashing, linear in the actions.
+        self.table_size = len(step.stages) * step.micro_batches
+        self.produced: list[float | None] = [None] * (4 * self.table_size)
+        self.parked = [-1] * (4 * self.table_size)
         self.queue: list[tuple[float, int, float, float]] = []  # (start, rank, end, gather start) of ready ones
         self.cursor = [0] * step.pp
         self.link_free: dict[tuple[int, int], float] = {}  # (rank, +1/-1 direction) -> its send link free
@@ -232,16 +241,20 @@ class _Replay:
         self.compute_free = [0.0] * step.pp
         self.gathered: set[int] = set()  # stages whose weights are gathered right now
 
-    def input_key(self, action: Action) -> tuple[str, int, int] | None:
-        """What the action waits for; None when nothing (the first stage's forwards)."""
+    def key(self, table: int, stage: int, micro_batch: int) -> int:
+        return table * self.table_size + stage * self.step.micro_batches + micro_batch
+
+    def input_key(self, action: Action) -> int:
+        """What the action waits for; -1 when nothing (the first stage's forwards)."""
         kind, stage, micro_batch = action
+        at = stage * self.step.micro_batches + micro_batch
         if kind == FORWARD:
-            return None if stage == 0 else (">F", stage, micro_batch)
+            return -1 if stage == 0 else ACTIVATION_IN * self.table_size + at
         if kind == BACKWARD_WEIGHT:
-            return BACKWARD_INPUT, stage, micro_batch
+            return INPUT_DONE * self.table_size + at
         if stage == self.last_stage:  # the loss is computed right after the last forward
-            return FORWARD, stage, micro_batch
-        return ">B", stage, micro_batch
+            return FORWARD_DONE * self.table_size + at
+        return GRADIENT_IN * self.table_size + at
 
     def offer(self, rank: int) -> None:
         """Queue the rank's next action if its input is there, else park the rank under that input."""
@@ -252,17 +265,17 @@ class _Replay:
         self.visits += 1
         action = actions[index]
         key = self.input_key(action)
-        ready = 0.0 if key is None else self.produced.get(key)
+        ready = 0.0 if key < 0 else self.produced[key]
         if ready is None:
-            self.parked[key] = rank  # type: ignore[index]
+            self.parked[key] = rank
             return
         start, end, gather_start = self.timing(rank, action, ready)
         heappush(self.queue, (start, rank, end, gather_start))
 
-    def publish(self, key: tuple[str, int, int], time: float) -> None:
+    def publish(self, key: int, time: float) -> None:
         self.produced[key] = time
-        rank = self.parked.pop(key, None)
-        if rank is not None:
+        rank = self.parked[key]
+        if rank >= 0:
             self.offer(rank)
 
     def gather_before(self, action: Action) -> float:
@@ -294,7 +307,7 @@ class _Replay:
     def ship(self, rank: int, target_stage: int, kind: str, micro_batch: int, end: float, seconds: float) -> None:
         """Hand an activation (kind F) or a gradient (kind B) produced at `end` to `target_stage`."""
         target_rank = self.owner[target_stage]
-        key = (">F" if kind == FORWARD else ">B", target_stage, micro_batch)
+        key = self.key(ACTIVATION_IN if kind == FORWARD else GRADIENT_IN, target_stage, micro_batch)
         if target_rank == rank:
             self.publish(key, end)
             return
@@ -303,23 +316,23 @@ class _Replay:
         self.link_free[rank, direction] = start + seconds
         if not self.step.async_p2p:  # a blocking send holds the sender until the receiver has it
             self.compute_free[rank] = max(self.compute_free[rank], start + seconds)
-        self.events.append(Event(rank, "comm", SEND_ACTIVATION if kind == FORWARD else SEND_GRADIENT,
-                                 start, start + seconds, target_stage, micro_batch, target_rank))
+        self.events.append(_new_tuple(Event, (rank, "comm", SEND_ACTIVATION if kind == FORWARD else SEND_GRADIENT,
+                                              start, start + seconds, target_stage, micro_batch, target_rank)))
         self.publish(key, start + seconds)
 
     def run(self) -> tuple[list[Event], list[float], list[float]]:
         """Replay every action; (events, compute free, collective free per rank)."""
-        step, events, queue = self.step, self.events, self.queue
+        step, events, queue, orders, cursor = self.step, self.events, self.queue, self.orders, self.cursor
+        stages, last_stage, publish, ship = step.stages, self.last_stage, self.publish, self.ship
         for rank in range(step.pp):
             self.offer(rank)
         done = 0
         while queue:
             start, rank, end, gather_start = heappop(queue)
-            self.visits += 1
-            index = self.cursor[rank]
-            action = self.orders[rank][index]
+            index = cursor[rank]
+            action = orders[rank][index]
             kind, stage, micro_batch = action
-            times = step.stages[stage]
+            times = stages[stage]
             if gather_start >= 0:
                 gather_end = gather_start + self.gather_before(action)
                 self.collective_free[rank] = gather_end
@@ -328,19 +341,23 @@ class _Replay:
                 frees = times.reshard_after_forward if kind == FORWARD else times.reshard_after_backward
                 (self.gathered.discard if frees else self.gathered.add)(stage)
             self.compute_free[rank] = end
-            self.cursor[rank] = index + 1
+            cursor[rank] = index + 1
             done += 1
-            events.append(Event(rank, "compute", kind, start, end, stage, micro_batch))
-            if kind == FORWARD or kind == BACKWARD_INPUT:
-                self.publish((kind, stage, micro_batch), end)
-            if kind == FORWARD and stage < self.last_stage:
-                self.ship(rank, stage + 1, FORWARD, micro_batch, end, times.send_activation)
+            events.append(_new_tuple(Event, (rank, "compute", kind, start, end, stage, micro_batch, -1)))
+            if kind == FORWARD:
+                if stage < last_stage:
+                    ship(rank, stage + 1, FORWARD, micro_batch, end, times.send_activation)
+                else:
+                    publish(self.key(FORWARD_DONE, stage, micro_batch), end)
+            elif kind == BACKWARD_INPUT:
+                publish(self.key(INPUT_DONE, stage, micro_batch), end)
             if (kind == BACKWARD or kind == BACKWARD_INPUT) and stage > 0:
-                self.ship(rank, stage - 1, BACKWARD, micro_batch, end, step.stages[stage - 1].send_activation)
+                ship(rank, stage - 1, BACKWARD, micro_batch, end, stages[stage - 1].send_activation)
             if times.grad_reduce > 0 and ((times.reduce_every_micro_batch and kind == self.weight_kind)
                                           or self.last_weight_action.get(stage) == index):
                 self.reduce(rank, action, start, end)
             self.offer(rank)
+        self.visits += done
         if done < self.total:
             stuck = [str(self.orders[r][self.cursor[r]]) for r in range(step.pp)
                      if self.cursor[r] < len(self.orders[r])]

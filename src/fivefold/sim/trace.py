@@ -2,7 +2,7 @@
 
 One process per pp rank, named by its label; threads: 0 compute, 1 sends to a higher rank, 2 sends to
 a lower rank, 3 gradient reductions (and the tied-embedding all-reduce), 4 parameter gathers. Bars are
-complete ("X") events in microseconds; memory is a counter ("C") track per rank, in GiB.
+complete ("X") events in microseconds (to the nanosecond); memory is a counter ("C") track per rank, in GiB.
 """
 
 from __future__ import annotations
@@ -21,35 +21,32 @@ EVENT_NAMES = {FORWARD: "forward", BACKWARD: "backward", BACKWARD_INPUT: "backwa
                PARAM_GATHER: "parameter gather", EMBEDDING_SYNC: "tied-embedding all-reduce"}
 
 
-def _thread_of(event: Event) -> int:
-    if event.lane == "compute":
-        return 0
-    if event.peer >= 0:
-        return 1 if event.peer > event.rank else 2
-    return 4 if event.kind == PARAM_GATHER else 3
-
-
-def _name_of(event: Event) -> str:
-    name = EVENT_NAMES.get(event.kind, event.kind)
-    if event.micro_batch >= 0:
-        return f"{event.kind} s{event.stage} mb{event.micro_batch}"
-    if event.stage >= 0:
-        return f"{name} s{event.stage}"
-    return name
-
-
-def _event_json(event: Event) -> str:
-    """One complete ("X") event as JSON text: formatted directly, a big plan has hundreds of thousands."""
-    args = f'"kind":"{event.kind}"'
-    if event.stage >= 0:
-        args += f',"stage":{event.stage}'
-    if event.micro_batch >= 0:
-        args += f',"micro_batch":{event.micro_batch}'
-    if event.peer >= 0:
-        args += f',"to_rank":{event.peer}'
-    return (f'{{"name":"{_name_of(event)}","cat":"{event.lane}","ph":"X","pid":{event.rank},'
-            f'"tid":{_thread_of(event)},"ts":{event.start * 1e6!r},"dur":{(event.end - event.start) * 1e6!r},'
-            f'"args":{{{args}}}}}')
+def _events_json(events: list[Event]) -> list[str]:
+    """Complete ("X") events as JSON text, formatted directly: a big plan has hundreds of thousands, so one
+    loop and no call per event. Thread as in the module docstring; name "F s3 mb7" for a pass of a
+    micro-batch, else the collective's name and its stage."""
+    out = []
+    append = out.append
+    for rank, lane, kind, start, end, stage, micro_batch, peer in events:
+        if lane == "compute":
+            tid = 0
+        elif peer >= 0:
+            tid = 1 if peer > rank else 2
+        else:
+            tid = 4 if kind == PARAM_GATHER else 3
+        if micro_batch >= 0:
+            name = f"{kind} s{stage} mb{micro_batch}"
+            args = f'"kind":"{kind}","stage":{stage},"micro_batch":{micro_batch}'
+        else:
+            name = EVENT_NAMES.get(kind, kind) + (f" s{stage}" if stage >= 0 else "")
+            args = f'"kind":"{kind}"' + (f',"stage":{stage}' if stage >= 0 else "")
+        if peer >= 0:
+            args += f',"to_rank":{peer}'
+        # Whole nanoseconds, so that a bar ending where the next one starts is written ending there.
+        start_ns = int(start * 1e9 + 0.5)
+        append(f'{{"name":"{name}","cat":"{lane}","ph":"X","pid":{rank},"tid":{tid},"ts":{start_ns / 1e3:.3f},'
+               f'"dur":{(int(end * 1e9 + 0.5) - start_ns) / 1e3:.3f},"args":{{{args}}}}}')
+    return out
 
 
 def _trace_json(result: SimResult) -> str:
@@ -63,9 +60,9 @@ def _trace_json(result: SimResult) -> str:
         for tid, thread in THREADS.items():
             parts.append(json.dumps({"ph": "M", "name": "thread_name", "pid": rank.rank, "tid": tid,
                                      "args": {"name": thread}}))
-    parts.extend(map(_event_json, result.events))
+    parts.extend(_events_json(result.events))
     for rank in result.ranks:
-        parts.extend(f'{{"name":"memory","ph":"C","pid":{rank.rank},"ts":{time * 1e6!r},'
+        parts.extend(f'{{"name":"memory","ph":"C","pid":{rank.rank},"ts":{time * 1e6:.3f},'
                      f'"args":{{"GiB":{round(level / GIB, 6)!r}}}}}' for time, level in rank.memory)
     other = json.dumps({"title": result.title, "step_time_s": result.step_time_s,
                         "bubble_fraction": result.bubble_fraction})
