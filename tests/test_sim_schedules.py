@@ -17,7 +17,7 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping  
 from torch.distributed.pipelining.stage import PipelineStage  # noqa: E402
 
 from fivefold.errors import SpecError  # noqa: E402
-from fivefold.sim.schedules import TORCH_SCHEDULE_CLASS, rank_orders, stage_owners  # noqa: E402
+from fivefold.cost.schedules import TORCH_SCHEDULE_CLASS, rank_orders, stage_owners  # noqa: E402
 from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster  # noqa: E402
 
 

@@ -50,7 +50,10 @@ chunks both ways, two at p = 2).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from fivefold.cost.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, rank_orders,
+                                     stage_owners as order_owners)
 
 
 def bubble_ratio(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1,
@@ -182,3 +185,70 @@ def pipeline_time(schedule: str, pp: int, virtual_stages: int, micro_batches: in
     mean = sum(sums) / p
     p2p = once * hop + cycles * max(0.0, mean + cycle * hop - slowest)
     return PipelineTime(longest + p2p, busy, longest - busy, p2p)
+
+
+def walk_orders(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
+                stages: list[tuple[float, float, float, float]], async_p2p: bool = True) -> float:
+    """Seconds from the first forward to the last backward when each rank runs torch's action order
+    (cost/schedules.py) and each action waits for its input: the simulator's replay without its
+    collectives and link queues. `stages[i]` = (F, B, W, send) of virtual stage i for one micro-batch; an
+    activation (gradient) crossing to another rank arrives `send` after it is produced, and holds the sender
+    that long when sends block. A rank runs until its next input is missing and is woken when it arrives,
+    so each action is looked at a constant number of times."""
+    orders = rank_orders(schedule, pp, virtual_stages, micro_batches)
+    owner = order_owners(orders)
+    m, last = micro_batches, len(stages) - 1
+    size = len(stages) * m  # inputs: activation in [0, size), gradient in, last forward done, I done
+    ready: list[float | None] = [None] * (4 * size)
+    parked = [-1] * (4 * size)
+    free, cursor, todo = [0.0] * pp, [0] * pp, list(range(pp))
+
+    def deliver(key: int, time: float) -> None:
+        ready[key] = time
+        if parked[key] >= 0:
+            todo.append(parked[key])
+            parked[key] = -1
+
+    while todo:
+        rank = todo.pop()
+        actions, index, t = orders[rank], cursor[rank], free[rank]
+        while index < len(actions):
+            kind, stage, micro_batch = actions[index]
+            at = stage * m + micro_batch
+            key = ((-1 if stage == 0 else at) if kind == FORWARD else 3 * size + at if kind == BACKWARD_WEIGHT
+                   else 2 * size + at if stage == last else size + at)
+            if key >= 0:
+                arrived = ready[key]
+                if arrived is None:
+                    parked[key] = rank
+                    break
+                t = max(t, arrived)
+            forward, backward, weight, _ = stages[stage]
+            index += 1
+            if kind == BACKWARD_WEIGHT:
+                t += weight
+                continue
+            if kind == FORWARD:
+                t += forward
+                target, key = stage + 1, at + m  # the next stage's activation input
+                if stage == last:
+                    deliver(2 * size + at, t)
+                    continue
+            else:
+                t += backward + (weight if kind == BACKWARD else 0.0)
+                if kind == BACKWARD_INPUT:
+                    deliver(3 * size + at, t)
+                if stage == 0:
+                    continue
+                target, key = stage - 1, size + at - m  # the previous stage's gradient input
+            if owner[target] == rank:
+                deliver(key, t)
+                continue
+            send = stages[min(stage, target)][3]
+            deliver(key, t + send)
+            if not async_p2p:
+                t += send
+        cursor[rank], free[rank] = index, t
+    if any(cursor[r] < len(orders[r]) for r in range(pp)):
+        raise RuntimeError(f"schedule {schedule} deadlocks")
+    return max(free)
