@@ -6,7 +6,7 @@ import random
 import pytest
 
 from fivefold.cost import bubble_ratio, estimate
-from fivefold.cost.pipeline import critical_hops, pipeline_time, schedule_time
+from fivefold.cost.pipeline import critical_hops, pipeline_time, schedule_time, walk_orders, walked_pipeline
 from fivefold.sim.engine import StageTimes, StepInput, simulate
 from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
 
@@ -139,7 +139,15 @@ def test_step_time_is_composed_from_stage_costs_as_documented():
         hop = max(stage.send_activation for stage in result.stage_costs)
         pipeline = pipeline_time(schedule, plan.pp, virtual, plan.num_micro_batches, [tuple(r) for r in ranks],
                                  hop, True)
-        assert result.pipeline_s == pytest.approx(pipeline.total, rel=1e-12)
-        assert result.step_time_s == pytest.approx(pipeline.total + result.dp_comm_exposed_s + result.optimizer_s,
+        # Interleaved and ZB-V ranks whose chunks differ (here: the embedding and the LM head) walk the orders.
+        stages = [(s.forward, s.backward_input, s.backward_weight, s.send_activation) for s in result.stage_costs]
+        walked = walked_pipeline(pipeline, schedule, plan.pp, virtual, plan.num_micro_batches, stages,
+                                 [s.pp_rank for s in result.stage_costs])
+        assert (walked is pipeline) == (schedule not in ("interleaved-1f1b", "zbv"))
+        assert result.pipeline_s == pytest.approx(walked.total, rel=1e-12)
+        if walked is not pipeline:
+            assert walked.total == pytest.approx(walk_orders(schedule, plan.pp, virtual, plan.num_micro_batches,
+                                                             stages), rel=1e-12)
+        assert result.step_time_s == pytest.approx(walked.total + result.dp_comm_exposed_s + result.optimizer_s,
                                                    rel=1e-12)
         assert sum(result.breakdown_s.values()) == pytest.approx(result.step_time_s, rel=1e-9)

@@ -34,9 +34,11 @@ Unequal ranks (`rank_path_time`): in each path the terms repeated m times are on
 the fill and drain terms cross the other ranks (their mean chunk); the step is the longest such path over
 the ranks. For 1F1B this is m max_r w_r + (sum_r w_r - max_r w_r), exact when the slowest rank is the
 last. The ZBV paths that run through the V's bottom only count for rank p - 1, and a path repeating a
-single chunk (the LM head's, on rank 0) is added. Not modelled: interleaved ranks whose chunks differ
-(rank totals balanced, stages not), which the replay shows running 5-20% longer; the drain of a full V
-whose rank 0 is heavier than the rest, which the replay shows partly hidden (estimate up to ~4% long).
+single chunk (the LM head's, on rank 0) is added. Interleaved and ZB-V ranks whose chunks differ (uneven
+layers per stage, the embedding or LM head on one chunk) have no such closed form: the replay ran 5-20%
+longer than it (ZB-V's drain with a heavier rank 0: ~4% shorter). For them the detailed estimate walks
+torch's orders instead (`walk_orders`, `walked_pipeline`: the simulator's replay without collectives and
+link queues, linear in the actions); the planner's quick score keeps the closed form.
 
 Activation transfers on the critical path (`critical_hops`, in units of one hop): fill and drain cross
 2 (p - 1) hops (2 (v p - 1) interleaved, 4 (p - 1) for the V). 1F1B's dependency graph has a cycle
@@ -252,3 +254,48 @@ def walk_orders(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
     if any(cursor[r] < len(orders[r]) for r in range(pp)):
         raise RuntimeError(f"schedule {schedule} deadlocks")
     return max(free)
+
+
+WALK_SCHEDULES = ("interleaved-1f1b", "zbv")  # several chunks per rank: equal chunks is what the closed form assumes
+
+
+def walked_pipeline(pipe: PipelineTime, schedule: str, pp: int, virtual_stages: int, micro_batches: int,
+                    stages: list[tuple[float, float, float, float]], owners: list[int],
+                    async_p2p: bool = True) -> PipelineTime:
+    """`pipe` (the closed form) with its total taken from walk_orders where the closed form does not hold:
+    interleaved or ZB-V ranks whose chunks differ (uneven layers per stage, the embedding or LM head on
+    one chunk). Once the pipeline is full the walk grows by the same time per round of p micro-batches (ZB-V
+    settles after ~5 rounds at p = 4), so past 16 rounds 8 and 16 rounds are walked and the rest
+    extrapolated (tests/test_cost_pipeline.py checks it against the whole walk); the walk of the 1T GPT
+    on 64 ranks (512 micro-batches) takes ~0.2 s. `stages[i]` = (F, B, W, send) of virtual stage i,
+    `owners[i]` its pp rank."""
+    if schedule not in WALK_SCHEDULES or pp <= 1:
+        return pipe
+    chunks: dict[int, list[tuple[float, float, float]]] = {}
+    for (forward, backward, weight, _), owner in zip(stages, owners):
+        chunks.setdefault(owner, []).append((forward, backward, weight))
+    if all(max(abs(a - b) for a, b in zip(work, mine[0])) <= 1e-9 * max(sum(mine[0]), 1e-30)
+           for mine in chunks.values() for work in mine):
+        return pipe
+    unit, m = pp, micro_batches  # micro-batches per round
+    if m > 16 * unit and (schedule == "zbv" or m % unit == 0):
+        near, far = (walk_orders(schedule, pp, virtual_stages, k * unit, stages, async_p2p) for k in (8, 16))
+        total = far + (m - 16 * unit) * (far - near) / (8 * unit)
+    else:
+        total = walk_orders(schedule, pp, virtual_stages, m, stages, async_p2p)
+    p2p = max(0.0, min(pipe.p2p, total - pipe.busy))
+    return replace(pipe, total=total, bubble=max(0.0, total - pipe.busy - p2p), p2p=p2p)
+
+
+def walked_pipelines(pipe: PipelineTime, held: float, schedule: str, pp: int, virtual_stages: int,
+                     micro_batches: int, stages: list[tuple[float, float, float, float]], owners: list[int],
+                     held_by: list[list[float]], async_p2p: bool = True) -> tuple[PipelineTime, float]:
+    """walked_pipeline of `pipe`, and of the pipeline whose passes data-parallel collectives hold up (`held`
+    in closed form; `held_by[i]` = how much longer stage i's F, B and W take, as its rank's): both unchanged
+    unless a rank's chunks differ, the held-up one then walked with each stage stretched in that proportion."""
+    args = (schedule, pp, virtual_stages, micro_batches)
+    walked = walked_pipeline(pipe, *args, stages, owners, async_p2p)
+    if walked is pipe or held == pipe.total:
+        return walked, walked.total + held - pipe.total
+    held_stages = [(f * x[0], b * x[1], w * x[2], send) for (f, b, w, send), x in zip(stages, held_by)]
+    return walked, walked_pipeline(pipe, *args, held_stages, owners, async_p2p).total

@@ -12,7 +12,9 @@ How the step time is composed (the simulator replays exactly this from Estimate.
       pp_comm_s = critical_hops(schedule, p, v, m, async p2p) * max_i C_i
    where T is pipeline.schedule_time: the longest path through torch's action order for identical
    stages with the mean per-chunk f, b, w (for 1F1B (m + p - 1) w, the (p-1)/m bubble of Narayanan et
-   al. 2021; the zero-bubble schedules' own paths, see cost/pipeline.py).
+   al. 2021; the zero-bubble schedules' own paths, see cost/pipeline.py). Interleaved and ZB-V ranks whose
+   chunks differ: pipeline_s is the walk of torch's orders over the stage costs (pipeline.walked_pipeline),
+   the simulator's critical path; the planner's Score (detail=False) keeps the closed form.
 4. dp_comm_exposed_s = what data-parallel / ZeRO communication adds (cost/dataparallel.py): the same
    pipeline formula with every pass stretched by the gathers (and queued reductions) that hold it up,
    minus pipeline_s; plus once-per-step gathers that delay the first forward; plus reductions still
@@ -44,7 +46,7 @@ from fivefold.cost.layer import ZERO_PASS, PassCost, padded_vocab
 from fivefold.cost.layout import (Layout, RankEnv, layer_costs, layer_work, rank_envs, stage_owners,  # noqa: F401
                                   stage_params)
 from fivefold.cost.memory import GIB, RankMemory, in_flight_chunks, zero_model_state_bytes
-from fivefold.cost.pipeline import pipeline_time
+from fivefold.cost.pipeline import pipeline_time, walked_pipelines
 from fivefold.cost.stack import (STACKS, SoftwareStack, TensorParallelCollectives, data_parallel_sync, eager_ops,
                                  on_host_profiled_cpu, tensor_parallel_collectives)
 from fivefold.spec.plan import Plan
@@ -228,6 +230,19 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
     sync = data_parallel_sync(stack, layout.zero, p)
     # FSDP2 with gradient sync off (pp > 1) accumulates the unsharded gradients in its reduce dtype.
     unsharded_grad_bytes = stack.gradient_bytes(layout.train.dtype) if stack.pipeline_defers_grad_sync else 0
+    if detail:  # per-stage costs; where a rank's chunks differ, the pipeline walks torch's orders
+        stages = _stage_list(layout, stack, envs, costs_of, owners, first_ranks, topology, activation_message,
+                             embedding_activation, replica_shard, expert_shard, sync.grads_sharded,
+                             unsharded_grad_bytes)
+        held_by = {r: [h / w if w > 0 else 1.0 for h, w in zip(held_work, g.work)]
+                   for g, held_work in zip(ordered, data.stretched) for r in g.ranks}
+        walked, held_walked = walked_pipelines(
+            pipe, held, layout.schedule, p, layout.virtual_stages, m_batches,
+            [(s.forward, s.backward_input, s.backward_weight, s.send_activation) for s in stages], owners,
+            [held_by[r] for r in owners], stack.async_p2p)
+        dp_exposed += (held_walked - walked.total) - (held - pipe.total)
+        pipe = walked
+        step = pipe.total + dp_exposed + optimizer
     layer_weights = 2 * sum(stage_params(layout, 1, False, False)) * e if layout.zero == 3 else 0.0  # this + next
     if layout.train.dtype == "fp8":  # the computing layer's FP8 weight copy and its transpose (1 byte each)
         layer_weights += 2 * sum(stage_params(layout, 1, False, False))
@@ -263,8 +278,6 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
 
     group_of_rank = {r: g for g in ordered for r in g.ranks}
     rank_memory = [RankMemory(*memory_parts(group_of_rank[r], r)) for r in range(p)]
-    stages = _stage_list(layout, stack, envs, costs_of, owners, first_ranks, topology, activation_message,
-                         embedding_activation, replica_shard, expert_shard, sync.grads_sharded, unsharded_grad_bytes)
     train, world = layout.train, layout.world_size
     model_flops = model_flops_per_step(layout.model, train)
     hardware_flops = hardware_flops_per_step(layout.model, train, layout.recompute)
