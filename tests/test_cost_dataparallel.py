@@ -120,8 +120,10 @@ def test_gradient_memory_follows_the_stack():
     gathered = estimate(zero3, STACKS["fivefold"]).memory
     layer_by_layer = estimate(zero3, STACKS["modern"]).memory
     weights = sum(stage_params(Layout.of_plan(zero3), 16, True, False, holds_embedding=True)) * 2
+    # torch.distributed.pipelining also holds a receive buffer per micro-batch: rank 0 for its output's gradient.
+    receive_buffers = 8 * 4096 * MODEL.hidden * 2
     assert gathered.transient - layer_by_layer.transient == pytest.approx(
-        weights - 2 * sum(stage_params(Layout.of_plan(zero3), 1, False, False)) * 2, rel=1e-9)
+        weights - 2 * sum(stage_params(Layout.of_plan(zero3), 1, False, False)) * 2 + receive_buffers, rel=1e-9)
     # Without pp the fivefold runtime shards gradients like everyone else.
     alone = Plan(model=plan.model, cluster=plan.cluster, train=TrainSpec(seq_len=4096, global_batch=8), dp=8, zero=2)
     assert estimate(alone, STACKS["fivefold"]).memory.grads == pytest.approx(estimate(alone).memory.grads)

@@ -29,10 +29,12 @@ class Features:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     fp8: bool = False  # FP8 GEMMs (Transformer Engine, torchao Float8)
     fp8_all_gather: bool = False  # ZeRO-3 / FSDP gathers the weights already cast to FP8
+    gradient_accumulation: bool = True  # several micro-batches per replica without a pipeline
     built_on: str = ""  # the pieces, for `estimate --help`
 
     def describe(self) -> str:
         parts = [f"parallel {'/'.join(self.parallelisms)}", f"schedules {', '.join(self.schedules)}",
+                 *([] if self.gradient_accumulation else ["no gradient accumulation without pp"]),
                  f"ZeRO {'/'.join(map(str, self.zero_levels))}",
                  f"CP {'/'.join(self.cp_methods)}" if "cp" in self.parallelisms else "no CP",
                  f"recompute {'/'.join(self.recompute)}",
@@ -70,6 +72,10 @@ class SoftwareStack:
     #                            vocab-parallel cross-entropy, 2 for upcast + log-softmax (plain cross_entropy)
     allocator_slack: float = 0.0  # caching-allocator reserve beyond what is allocated (block rounding and
     #                               fragmentation), a share of the activations and working memory that churn
+    pipeline_keeps_outputs: bool = False  # pp > 1, torch.distributed.pipelining: the schedule keeps every
+    #                                      micro-batch's last-stage output (the logits) to return them merged, and
+    #                                      each stage holds a receive buffer per micro-batch for its input and for
+    #                                      its output's gradient, allocated once and kept
     sdpa_flash2: bool = False  # attention through PyTorch SDPA's FlashAttention-2 (slower on Hopper than the
     #                            FA3 / cuDNN kernels Transformer Engine uses)
     loss_parallel_fp32_copies: int = 0  # with tp > 1, extra fp32 logit-sized tensors of DTensor's loss parallel
@@ -117,10 +123,13 @@ STACKS: dict[str, SoftwareStack] = {
     # the compute stream waits for it. Kernel-launch overhead is the default, not measured here; on a
     # profiled CPU the measured host costs of its eager ops, FSDP2 hooks and AdamW replace it (step.py).
     "fivefold": SoftwareStack(name="fivefold", dropout=False, overlap_tp_backward=False, grad_reduce_bytes=4,
+                              pipeline_keeps_outputs=True,
                               pipeline_defers_grad_sync=True, zero2_reshards_after_backward=True,
                               eager_host_costs=True, features=Features(
                                   built_on="FSDP2, DTensor TP, torch.distributed.pipelining, own CP, eager")),
-    # TorchTitan (end of 2024, benchmarks/llama3_h100_202412_torchtitan.md): FSDP2 (ZeRO-3, or ZeRO-2 with
+    # TorchTitan as benchmarked at the end of 2024 (benchmarks/llama3_h100_202412_torchtitan.md; its
+    # schedules: GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble (zb-h1 here); no ZBV yet, and no
+    # gradient accumulation without a pipeline): FSDP2 (ZeRO-3, or ZeRO-2 with
     # reshard_after_forward=False; DDP for ZeRO-0), DTensor TP with sequence parallel and async TP
     # (collectives pipelined with the GEMMs), torch.distributed.pipelining schedules, context parallel
     # (K/V all-gather), torchao Float8 with FP8 all-gather under FSDP2, torch.compile per block. Gradients
@@ -128,8 +137,11 @@ STACKS: dict[str, SoftwareStack] = {
     "torchtitan": SoftwareStack(name="torchtitan", dropout=False, grad_reduce_bytes=4, overlap_tp_comm=True,
                                 pipeline_defers_grad_sync=True, zero2_reshards_after_backward=True,
                                 selective_saves_ops=True, loss_fp32_copies=2, loss_parallel_fp32_copies=1,
+                                pipeline_keeps_outputs=True,
                                 sdpa_flash2=True, allocator_slack=0.25,
                                 features=Features(parallelisms=("dp", "tp", "pp", "cp"), zero_levels=(0, 2, 3),
+                                                  schedules=("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"),
+                                                  gradient_accumulation=False,
                                                   cp_methods=("all-gather",), fp8=True, fp8_all_gather=True,
                                                   built_on="FSDP2, DTensor TP, async TP, torch pipelining, "
                                                            "Float8 (torchao), torch.compile")),

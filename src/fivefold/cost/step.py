@@ -227,6 +227,8 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
     # Memory: a group peaks on its first rank (the one with the most micro-batches in flight).
     copies = stack.loss_fp32_copies + (stack.loss_parallel_fp32_copies if layout.tp > 1 else 0)
     logits = (4 * copies + e) * tokens * padded_vocab(layout.model.vocab, layout.tp) / layout.tp
+    if stack.pipeline_keeps_outputs and p > 1:  # every micro-batch's logits, kept to be returned merged
+        logits += (m_batches - 1) * e * tokens * padded_vocab(layout.model.vocab, layout.tp) / layout.tp
     sync = data_parallel_sync(stack, layout.zero, p)
     # FSDP2 with gradient sync off (pp > 1) accumulates the unsharded gradients in its reduce dtype.
     unsharded_grad_bytes = stack.gradient_bytes(layout.train.dtype) if stack.pipeline_defers_grad_sync else 0
@@ -262,6 +264,9 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
         # ZeRO-3 holds the layers being gathered, or, kept gathered between passes, all of the rank's.
         gathered = (group.dense + group.expert) * e if sync.keeps_gathered else layer_weights
         working = costs_of[id(group.env)][4] + gathered + (logits if group.last else 0.0)
+        if stack.pipeline_keeps_outputs and p > 1:  # receive buffers: input and output gradient, per micro-batch
+            hops = 2 * group.chunks - (1 if group.first else 0) - (1 if group.last else 0)
+            working += hops * m_batches * activation_message
         parts.append(working)
         parts.append(stack.reserved_bytes + stack.allocator_slack * (parts[3] + working))
         return parts

@@ -35,7 +35,8 @@ def estimate_renderables(estimate: Estimate, title: str) -> list:
     summary = Table(title=title, show_header=False, title_justify="left")
     summary.add_column(style="bold")
     summary.add_column(justify="right")
-    summary.add_row("step time", _time(estimate.step_time_s))
+    band = f"+-{estimate.error_band:.0%}" if estimate.error_band is not None else "unknown (no measured rows)"
+    summary.add_row("step time", f"{_time(estimate.step_time_s)}  (expected error {band}, {estimate.stack} stack)")
     summary.add_row("tokens/s", f"{_rate(estimate.tokens_per_s)}  ({_rate(estimate.tokens_per_s / estimate.world_size)}"
                     " per GPU)")
     summary.add_row("model TFLOP/s per GPU", f"{estimate.model_tflops_per_gpu:.1f}  (with recompute "
@@ -95,7 +96,7 @@ def plan_renderables(result: SearchResult, title: str) -> list:
     table = Table(title=title, title_justify="left")
     columns = [("#", "right"), ("plan", "left")] + ([("work split", "left")] if mixed else []) + [
         ("tokens/s", "right"), ("per GPU", "right"), ("MFU", "right"), ("GiB/GPU", "right"), ("bubble", "right"),
-        ("step", "right")]
+        ("step", "right"), ("error", "right")]
     for column, justify in columns:
         table.add_column(column, justify=justify)
     for rank, candidate in enumerate(result.candidates, 1):
@@ -103,5 +104,8 @@ def plan_renderables(result: SearchResult, title: str) -> list:
         split = [_work_split(candidate.plan)] if mixed else []
         table.add_row(str(rank), candidate.plan.describe(), *split, _rate(e.tokens_per_s),
                       _rate(e.tokens_per_s / e.world_size), f"{e.mfu:.1%}", f"{e.memory.total / GIB:.1f}",
-                      f"{e.bubble_fraction:.1%}", _time(e.step_time_s))
-    return [table]
+                      f"{e.bubble_fraction:.1%}", _time(e.step_time_s),
+                      f"+-{e.error_band:.0%}" if e.error_band is not None else "?")
+    out: list = [table]
+    out.extend(f"#1 note: {line}" for line in result.candidates[0].estimate.notes)
+    return out

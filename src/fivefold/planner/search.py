@@ -143,7 +143,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
         recomputes = recompute_options(stack, choices)
         zeros = zero_options(dp, cp, choices, stack=stack)
         options: list[PlacementOption | None] = placement_options(cluster, dp, tp, pp, cp) if ctx.mixed else [None]
-        for micro_batch in micro_batch_options(train, dp, choices):
+        for micro_batch in micro_batch_options(train, dp, choices, pp, stack):
             micro_batches = train.global_batch // (dp * micro_batch)
             schedules = schedule_options(model, pp, micro_batches, choices, stack)
             family = len(schedules) * len(recomputes) * len(zeros) * len(options)
@@ -382,7 +382,8 @@ def _alternatives(ctx: _Context, found: _Found) -> tuple[list[tuple[PlacementOpt
     if ctx.choices.dp is None and ctx.choices.pp is None:
         for stages in (n for n in range(1, dp * pp + 1) if dp * pp % n == 0 and n != pp and n <= ctx.model.layers):
             replicas = dp * pp // stages
-            sizes = [b for b in micro_batch_options(ctx.train, replicas, ctx.choices) if b <= micro_batch]
+            sizes = [b for b in micro_batch_options(ctx.train, replicas, ctx.choices, stages, ctx.stack)
+                     if b <= micro_batch]
             if not sizes:
                 continue
             options = schedule_options(ctx.model, stages, ctx.train.global_batch // (replicas * sizes[-1]),
@@ -414,7 +415,7 @@ def _order_by_bound(ctx: _Context, degrees) -> list[tuple[int, int, int, int, in
     """Degrees sorted by the lower bound of their smallest micro-batch (promising layouts first)."""
     keyed = []
     for dp, tp, pp, cp, ep in degrees:
-        micro_batches = micro_batch_options(ctx.train, dp, ctx.choices)
+        micro_batches = micro_batch_options(ctx.train, dp, ctx.choices, pp, ctx.stack)
         if not micro_batches:
             continue
         micro_batch = micro_batches[0]

@@ -106,9 +106,13 @@ def degree_options(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     return out
 
 
-def micro_batch_options(train: TrainSpec, dp: int, choices: Choices) -> list[int]:
-    """Sequences per micro-batch, smallest first (memory grows with it)."""
+def micro_batch_options(train: TrainSpec, dp: int, choices: Choices, pp: int = 1,
+                        stack: SoftwareStack | None = None) -> list[int]:
+    """Sequences per micro-batch, smallest first (memory grows with it). A stack without gradient
+    accumulation runs a replica's whole batch as one micro-batch unless a pipeline splits it."""
     per_replica = train.global_batch // dp
+    if pp == 1 and stack is not None and not stack.features.gradient_accumulation:
+        return [per_replica] if _allowed(per_replica, choices.micro_batch) else []
     return [b for b in divisors(per_replica) if _allowed(b, choices.micro_batch)]
 
 

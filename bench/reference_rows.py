@@ -1,0 +1,133 @@
+"""The development set as plans and residuals (shared by bench/validate_cost_model.py and the tests).
+
+TorchTitan (benchmarks/llama3_h100_202412_torchtitan.md, Tables 1-6): Llama 3.1 on 96 GB H100s at 500 W
+(`H100-96GB`), predicted with the `torchtitan` stack, switched per row to what the row ran: eager or
+torch.compile (`fused_elementwise`), async TP or not (`overlap_tp_comm`), Float8 (`--dtype fp8`). FSDP2 is
+ZeRO-3; with pp the micro-batch is one sequence. Its memory column is the allocator's peak reading, which
+the CUDA context (the stack's `reserved_bytes`) is not part of.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import replace
+from pathlib import Path
+
+from fivefold.cost import STACKS, estimate
+from fivefold.errors import FivefoldError
+from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
+
+GIB = 2**30
+TITAN_MODELS = {"llama3.1-8b": "llama3-8b", "llama3.1-70b": "llama3-70b", "llama3.1-405b": "llama3-405b"}
+
+
+def torchtitan_plan(row: dict) -> tuple[Plan, object]:
+    """The plan and stack variant of one TorchTitan row."""
+    gpus, tp, pp, cp, fsdp = (int(row[k]) for k in ("gpus", "tp", "pp", "cp", "fsdp"))
+    seq = int(row["seq_len"])
+    model = replace(PRESETS[TITAN_MODELS[row["model"]]], max_seq_len=seq)
+    train = TrainSpec(seq_len=seq, global_batch=int(row["global_batch"]),
+                      dtype="fp8" if row["float8"] == "yes" else "bf16")
+    schedule = row["schedule"] or "1f1b"
+    plan = Plan(model=model, cluster=parse_cluster(f"{max(1, gpus // 8)}x{min(8, gpus)}xH100-96GB"), train=train,
+                dp=fsdp, tp=tp, pp=pp, cp=cp, zero=3, micro_batch=1 if pp > 1 else int(row["local_batch"]),
+                schedule=schedule, virtual_stages=2 if schedule == "interleaved-1f1b" else 1,
+                recompute=row["activation_checkpoint"], sequence_parallel=tp > 1)
+    stack = replace(STACKS["torchtitan"], overlap_tp_comm=row["async_tp"] == "yes",
+                    fused_elementwise=row["compile"] == "yes")
+    return plan, stack
+
+
+def torchtitan_rows(path: Path) -> list[dict]:
+    out = []
+    with open(path) as handle:
+        for row in csv.DictReader(handle):
+            plan, stack = torchtitan_plan(row)
+            result = estimate(plan, stack)
+            out.append({**row, "plan": plan, "layout": plan.describe(), "measured": float(row["tokens_per_s_per_gpu"]),
+                        "predicted": result.tokens_per_s / plan.world_size,
+                        "measured_memory": float(row["memory_gib"]),
+                        "predicted_memory": (result.memory.total - stack.reserved_bytes) / GIB,
+                        "mfu": result.mfu, "measured_mfu": float(row["tokens_per_s_per_gpu"]) / result.tokens_per_s
+                        * plan.world_size * result.mfu})
+    return out
+
+
+def mcore_plan(row: dict, recompute: str, virtual: int) -> Plan:
+    gpus, tp, pp, dp = int(row["gpus"]), int(row["tp"]), int(row["pp"]), int(row["dp"])
+    from fivefold.spec import ModelSpec
+
+    model = ModelSpec(name=row["model"], layers=int(row["layers"]), hidden=int(row["hidden"]), heads=int(row["heads"]),
+                      mlp="gelu", norm="layernorm", position="rope", vocab=131072, max_seq_len=4096)
+    return Plan(model=model, cluster=parse_cluster(f"{gpus // 8}x8xH100-SXM"),
+                train=TrainSpec(seq_len=4096, global_batch=int(row["global_batch"]), dtype="bf16"), dp=dp, tp=tp,
+                pp=pp, micro_batch=1, schedule="interleaved-1f1b" if virtual > 1 else "1f1b", virtual_stages=virtual,
+                recompute=recompute, sequence_parallel=tp > 1, zero=1)
+
+
+def megatron_core_rows(path: Path) -> list[dict]:
+    """Per row the table gives tp, pp, dp; recompute and schedule are not stated: the fastest that fits."""
+    out = []
+    stack = STACKS["megatron-core"]
+    with open(path) as handle:
+        for row in csv.DictReader(handle):
+            best = None
+            for recompute in ("none", "selective", "full"):
+                for virtual in (1, 2) if int(row["pp"]) > 1 else (1,):
+                    try:
+                        plan = mcore_plan(row, recompute, virtual)
+                    except FivefoldError:
+                        continue
+                    result = estimate(plan, stack)
+                    if result.fits and (best is None or result.step_time_s < best[1].step_time_s):
+                        best = (plan, result)
+            plan, result = best
+            out.append({"model": row["model"], "gpus": int(row["gpus"]), "plan": plan, "layout": plan.describe(),
+                        "measured_tflops": float(row["tflops_per_gpu"]),
+                        "predicted_tflops": result.hardware_tflops_per_gpu, "predicted_mfu": result.mfu,
+                        "measured_mfu": float(row["mfu_pct"]) / 100})
+    return out
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(share * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def credibility_tables(vtrain: list[dict], bubble: list[dict], core: list[dict], titan: list[dict],
+                       plans: dict) -> tuple[dict, dict]:
+    """(coverage per device class, error band per (stack, class)) from the predicted development set.
+    `plans[name]` lists the Plans of each source's rows (vtrain, bubble, core, titan), predicted in order."""
+    residuals: dict[tuple[str, str], list[float]] = {}
+
+    def add(key: tuple[str, str], value: float) -> None:
+        residuals.setdefault(key, []).append(abs(value))
+
+    for row in vtrain:
+        add(("megatron-lm-2022", "A100"), row["measured_s"] / row["predicted_s"] - 1)  # throughput residual
+    for row in bubble:
+        if row.get("predicted") is not None:
+            add(("megatron-lm-2022", "A100"), row["predicted"] / row["measured"] - 1)
+    for row in core:
+        add(("megatron-core", "H100"), row["predicted_tflops"] / row["measured_tflops"] - 1)
+    for row in titan:
+        add(("torchtitan", "H100"), row["predicted"] / row["measured"] - 1)
+    bands = {key: round(percentile(values, 0.9), 2) for key, values in residuals.items()}
+    coverage = {}
+    for cls, names, stacks in (("A100", ("vtrain", "bubble"), ("megatron-lm-2022",)),
+                               ("H100", ("core", "titan"), ("megatron-core", "torchtitan"))):
+        rows = [plan for name in names for plan in plans[name]]
+        coverage[cls] = dict(
+            stacks=stacks, max_gpus=max(p.world_size for p in rows), max_tp=max(p.tp for p in rows),
+            max_pp=max(p.pp for p in rows), max_cp=max(p.cp for p in rows),
+            seq_len=(min(p.train.seq_len for p in rows), max(p.train.seq_len for p in rows)),
+            schedules=tuple(sorted({p.schedule for p in rows if p.pp > 1}, key=_SCHEDULE_ORDER.index)),
+            zero_levels=tuple(sorted({p.zero for p in rows if p.dp * p.cp > 1})),
+            dtypes=tuple(sorted({p.train.dtype for p in rows})), recompute=tuple(sorted({p.recompute for p in rows})),
+            params_billions=(round(min(p.model.num_params() for p in rows) / 1e9 - 0.05, 1),
+                             round(max(p.model.num_params() for p in rows) / 1e9 + 0.05, 1)))
+    return coverage, bands
+
+
+_SCHEDULE_ORDER = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"]
