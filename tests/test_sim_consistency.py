@@ -132,6 +132,39 @@ def test_slow_device_sets_the_pace_on_a_mixed_cluster() -> None:
     assert h100.bubble_fraction > 1.0 > a100.bubble_fraction
 
 
+def test_every_distinct_replica_is_simulated_and_the_slowest_reduction_ends_the_step() -> None:
+    """dp2 tp2 pp2 with replica 0 on the A100 node and replica 1 on the H100 node (placement), even and uneven
+    micro-batches: both replicas get their own rows and times; each stage's reduction is one collective, so
+    it runs at the same time on both, after both replicas' last backward of that stage; the optimizer
+    starts after the last one. A plan whose replicas are alike is simulated once."""
+    cluster = parse_cluster("1x4xA100-80GB+1x4xH100-SXM")
+    for counts, slow in (((8, 8), 0), ((4, 12), 1)):
+        plan = Plan(model=MODEL, cluster=cluster, train=TrainSpec(seq_len=4096, global_batch=16), dp=2, tp=2, pp=2,
+                    placement=(0, 1, 4, 5, 2, 3, 6, 7), replica_micro_batches=counts)
+        result = simulate_plan(plan)
+        assert result.replicas == 2 and len(result.ranks) == 4
+        assert [r.label.split(":")[0] for r in result.ranks] == ["dp0 pp0", "dp0 pp1", "dp1 pp0", "dp1 pp1"]
+        assert "A100-80GB" in result.ranks[0].label and "H100-SXM" in result.ranks[2].label
+        forwards = [sum(e.kind == "F" for e in result.events if e.rank == row) for row in (0, 2)]
+        assert forwards == list(counts)
+        reductions = {}
+        for event in result.events:
+            if event.kind == "grad-reduce":
+                reductions.setdefault(event.stage, set()).add((event.start, event.end))
+        assert all(len(times) == 1 for times in reductions.values())  # one collective per stage
+        for stage, ((start, end),) in reductions.items():  # stage s runs on pp rank s: rows s and 2 + s
+            last_backwards = [max((e.start, e.end) for e in result.events
+                                  if e.rank == row and e.stage == stage and e.kind == "B") for row in (stage, 2 + stage)]
+            assert start > max(b[0] for b in last_backwards) and end > max(b[1] for b in last_backwards)
+        optimizer_start = min(e.start for e in result.events if e.kind == "optimizer")
+        assert optimizer_start == max(e.end for e in result.events if e.lane == "comm")
+        busy = [sum(e.end - e.start for e in result.events if e.rank == row and e.kind in "FB") for row in (0, 2)]
+        assert busy[slow] > busy[1 - slow]  # the slow replica computes longer, the other waits for it
+        assert result.ranks[2 * (1 - slow)].idle_s > result.ranks[2 * slow].idle_s
+    alike = Plan(model=MODEL, cluster=cluster, train=TrainSpec(seq_len=4096, global_batch=16), dp=2, tp=2, pp=2)
+    assert simulate_plan(alike).replicas == 1
+
+
 def test_stage_time_what_if_slows_the_whole_pipeline() -> None:
     """Stage 2 of 4 made 1.5x slower becomes the bottleneck: the pipeline cannot be shorter than the forwards
     before it, its own 16 micro-batches, and the backwards after it; it stays within 3% of that bound."""

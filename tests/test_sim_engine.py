@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from fivefold.errors import SpecError
-from fivefold.sim.engine import GRAD_REDUCE, OPTIMIZER, PARAM_GATHER, StageTimes, StepInput, simulate
+from fivefold.sim.engine import (GRAD_REDUCE, OPTIMIZER, PARAM_GATHER, StageTimes, StepInput, simulate,
+                                 simulate_replicas)
 
 
 def uniform(schedule: str, pp: int, virtual: int, micro_batches: int, forward: float = 1.0,
@@ -232,3 +233,30 @@ def test_engine_is_event_driven_and_linear_in_actions(schedule: str, virtual: in
         assert 2 * result.actions <= result.visits <= 3 * result.actions
         visits.append(result.visits)
     assert visits[1] <= 2 * visits[0] and visits[2] <= 2 * visits[1]
+
+
+def test_two_replicas_share_each_gradient_reduction_and_the_slowest_ends_the_step() -> None:
+    """pp=2 1F1B, F=1, B=2 per stage, one overlapped reduction of 1 s per stage after its last B, optimizer
+    0.5. By hand: replica A (2 micro-batches) ends its last B on rank 1 at 7 and on rank 0 at 9; replica B
+    (3 micro-batches) at 10 and 12. Each reduction is one collective over both replicas: stage 1's runs
+    [10, 11], stage 0's [12, 13] on both; the optimizer starts at 13 everywhere: step 13.5. Alone, A would
+    end at 10.5."""
+    stage = StageTimes(1.0, 2.0, 0.0, grad_reduce=1.0)
+    replica_a = StepInput("1f1b", 2, 1, 2, (stage, stage), optimizer=(0.5, 0.5))
+    replica_b = StepInput("1f1b", 2, 1, 3, (stage, stage), optimizer=(0.5, 0.5))
+    assert simulate(replica_a).step_time_s == 10.5
+    result = simulate_replicas([replica_a, replica_b])
+    assert result.replicas == 2 and [r.rank for r in result.ranks] == [0, 1, 2, 3]
+    reductions = [(e.rank, e.stage, e.start, e.end) for e in result.events if e.kind == GRAD_REDUCE]
+    assert reductions == [(0, 0, 12.0, 13.0), (1, 1, 10.0, 11.0), (2, 0, 12.0, 13.0), (3, 1, 10.0, 11.0)]
+    compute_a = [(e.rank, e.kind, e.micro_batch, e.start, e.end) for e in result.events
+                 if e.rank < 2 and e.kind in "FB"]
+    assert compute_a == [(0, "F", 0, 0.0, 1.0), (0, "F", 1, 1.0, 2.0), (0, "B", 0, 4.0, 6.0), (0, "B", 1, 7.0, 9.0),
+                         (1, "F", 0, 1.0, 2.0), (1, "B", 0, 2.0, 4.0), (1, "F", 1, 4.0, 5.0), (1, "B", 1, 5.0, 7.0)]
+    last_b = [e.end for e in result.events if e.rank == 2 and e.kind == "B"]
+    assert last_b == [6.0, 9.0, 12.0]
+    optimizers = [(e.rank, e.start, e.end) for e in result.events if e.kind == OPTIMIZER]
+    assert optimizers == [(row, 13.0, 13.5) for row in range(4)]
+    assert result.step_time_s == 13.5
+    # Replica A's rank 0: busy 6 (F, F, B, B) + 0.5 optimizer, its reduction 1, idle the rest (waiting on B).
+    assert result.ranks[0].busy_s == 6.5 and result.ranks[0].idle_s == pytest.approx(13.5 - 7.5)

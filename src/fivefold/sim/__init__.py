@@ -1,12 +1,12 @@
 """Simulation of one training step of a plan: per-rank events, timeline, trace and pictures. No torch here.
 
 - `schedules.rank_orders`: the action order of every pipeline schedule (checked against torch).
-- `engine.simulate(StepInput) -> SimResult`: the event-driven replay.
+- `engine.simulate(StepInput) -> SimResult`: the event-driven replay; `simulate_replicas` for replicas that differ.
 - `from_plan.simulate_plan(plan)`, `from_plan.rerank(candidates, n)`: the same from a Plan and the cost model.
 - `trace.write_chrome_trace`, `timeline.write_timeline_png`: what users look at.
 """
 
-from fivefold.sim.engine import Event, RankResult, SimResult, StageTimes, StepInput, simulate
+from fivefold.sim.engine import Event, RankResult, SimResult, StageTimes, StepInput, simulate, simulate_replicas
 from fivefold.sim.from_plan import from_estimate, parse_stage_times, rerank, simulate_plan
 from fivefold.sim.schedules import Action, rank_orders, stage_owners
 from fivefold.sim.trace import chrome_trace, write_chrome_trace
@@ -14,4 +14,4 @@ from fivefold.sim.timeline import write_timeline_png
 
 __all__ = ["Action", "Event", "RankResult", "SimResult", "StageTimes", "StepInput", "chrome_trace",
            "from_estimate", "parse_stage_times", "rank_orders", "rerank", "simulate", "simulate_plan",
-           "stage_owners", "write_chrome_trace", "write_timeline_png"]
+           "simulate_replicas", "stage_owners", "write_chrome_trace", "write_timeline_png"]

@@ -15,7 +15,10 @@ How it runs (cost linear in the number of actions A = p * v * m * passes):
 - so each action is visited at most three times (offered when it becomes its rank's next, woken once,
   popped once) and costs O(log p) for the queue: time O(A log p), memory O(A) for the events.
   `SimResult.visits` counts the visits; tests/test_sim_engine.py checks the bound and that doubling the
-  micro-batches doubles them.
+  micro-batches doubles them. The loop itself is sim/replay.py.
+- replicas that differ (`simulate_replicas`) each replay their pipeline; a gradient reduction is one
+  collective over them, so each replica's reduction takes the latest start and end of all; a few rounds
+  of replays agree on those (each round only moves them later).
 
 Communication runs beside compute, as the runtime issues it:
 - point-to-point: a finished forward (backward) ships its activation (gradient) asynchronously on the
@@ -55,21 +58,16 @@ buffers) plus the activation bytes of every micro-batch from the start of its fo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from heapq import heappop, heappush
 from operator import itemgetter
-from typing import NamedTuple
+from typing import Sequence
 
 from fivefold.errors import SpecError
-from fivefold.sim.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SPLIT_BACKWARD, Action,
-                                    rank_orders, stage_owners)
+from fivefold.sim.replay import (EMBEDDING_SYNC, GRAD_REDUCE, OPTIMIZER, PARAM_GATHER,  # noqa: F401 (re-exported)
+                                 SEND_ACTIVATION, SEND_GRADIENT, Event, Replay)
+from fivefold.sim.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD,  # noqa: F401 (re-exported)
+                                    SPLIT_BACKWARD, rank_orders)
 from fivefold.sim.summary import COMPUTE_KINDS, RankResult, rank_result  # noqa: F401 (COMPUTE_KINDS: re-exported)
 
-OPTIMIZER = "optimizer"
-SEND_ACTIVATION = "send-activation"
-SEND_GRADIENT = "send-gradient"
-GRAD_REDUCE = "grad-reduce"
-PARAM_GATHER = "param-gather"
-EMBEDDING_SYNC = "embedding-sync"
 
 
 @dataclass(frozen=True)
@@ -109,19 +107,6 @@ class StepInput:
     title: str = ""  # one line naming the plan
 
 
-class Event(NamedTuple):
-    """One bar of the timeline (a tuple: hundreds of thousands are made for a big plan)."""
-
-    rank: int  # pp rank
-    lane: str  # "compute" or "comm"
-    kind: str  # F, B, I, W, optimizer; send-activation, send-gradient, grad-reduce, param-gather, embedding-sync
-    start: float  # seconds from the start of the step
-    end: float
-    stage: int = -1  # virtual stage, -1 when not tied to one
-    micro_batch: int = -1  # micro-batch, -1 when not tied to one
-    peer: int = -1  # for sends: the receiving pp rank
-
-
 @dataclass
 class SimResult:
     """One simulated step: its length, its pipeline bubble, every rank and every event."""
@@ -137,6 +122,7 @@ class SimResult:
     micro_batches: int = 0
     visits: int = 0  # how often the engine looked at an action (at most 3 per action, see the docstring)
     actions: int = 0  # F/B/I/W actions replayed
+    replicas: int = 1  # distinct data-parallel replicas simulated: rows are replica-major (replica * pp + rank)
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -159,225 +145,96 @@ class SimResult:
 
 
 def simulate(step: StepInput) -> SimResult:
-    """Replay one step; see the module docstring for the rules and how it runs."""
-    _check(step)
-    orders = rank_orders(step.schedule, step.pp, step.virtual_stages, step.micro_batches)
-    replay = _Replay(step, orders)
-    events, compute_free, collective_free = replay.run()
-    owner, last_stage = replay.owner, replay.last_stage
+    """Replay one step of one pipeline; see the module docstring for the rules and how it runs."""
+    return simulate_replicas((step,))
+
+
+MAX_ROUNDS = 50  # agreement rounds between replicas; each pushes shared reductions later, never earlier
+
+
+def simulate_replicas(steps: Sequence[StepInput]) -> SimResult:
+    """Replay one step of data-parallel replicas that differ (stage times from different devices, different
+    micro-batch counts): rows are replica 0's pp ranks, then replica 1's, and so on.
+
+    Each replica's pipeline runs on its own; each gradient reduction is one collective over all of them
+    (the runtime's all-reduce or reduce-scatter): it starts when the last replica issues it and ends when
+    the last replica's share is through; the i-th reduction of a stage on one replica meets the i-th on the
+    others (a replica with more micro-batches has unmatched extra ones under ZeRO-2/3). Found by rounds:
+    replay every replica, agree on each reduction's latest (start, end), replay with those as floors, until
+    no replica moves them. The optimizer starts after the global gradient norm, over every rank of every
+    replica, so the step ends when the slowest replica's reduction does."""
+    if not steps:
+        raise SpecError("replicas", 0, "simulate at least one replica")
+    for step in steps:
+        _check(step)
+    first = steps[0]
+    if any((s.schedule, s.pp, s.virtual_stages) != (first.schedule, first.pp, first.virtual_stages) for s in steps):
+        raise SpecError("replicas", [(s.schedule, s.pp, s.virtual_stages) for s in steps],
+                        "every replica runs the same schedule over the same pp ranks and stages")
+    orders = [rank_orders(s.schedule, s.pp, s.virtual_stages, s.micro_batches) for s in steps]
+    joint: dict[tuple[int, int, int], tuple[float, float]] = {}
+    for _ in range(MAX_ROUNDS):
+        replays = [Replay(step, order, joint, row=index * first.pp)
+                   for index, (step, order) in enumerate(zip(steps, orders))]
+        for replay in replays:
+            replay.run()
+        agreed: dict[tuple[int, int, int], tuple[float, float]] = {}
+        for replay in replays:
+            for key, (start, end) in replay.reductions.items():
+                low, high = agreed.get(key, (start, end))
+                agreed[key] = (max(low, start), max(high, end))
+        if all(replay.reductions[key] == agreed[key] for replay in replays for key in replay.reductions):
+            break
+        joint = agreed
+    else:
+        raise RuntimeError(f"replica reductions did not settle in {MAX_ROUNDS} rounds")
+    return _finish(steps, replays)
+
+
+def _finish(steps: Sequence[StepInput], replays: list[Replay]) -> SimResult:
+    """Tied-embedding all-reduce, optimizer, per-row summaries of replayed replicas."""
+    pp = steps[0].pp
+    events = [event for replay in replays for event in replay.events]
     pipeline_time = max((e.end for e in events if e.lane == "compute"), default=0.0)
-    ready = [max(compute_free[r], collective_free[r]) for r in range(step.pp)]
-    if step.tied_embedding_sync > 0 and step.pp > 1:
-        ends = sorted({owner[0], owner[last_stage]})
-        sync_start = max(ready[r] for r in ends)
-        for r in ends:
-            events.append(Event(r, "comm", EMBEDDING_SYNC, sync_start, sync_start + step.tied_embedding_sync))
-            ready[r] = sync_start + step.tied_embedding_sync
+    ready = [max(c, g) for replay in replays for c, g in zip(replay.compute_free, replay.collective_free)]
+    for index, (step, replay) in enumerate(zip(steps, replays)):
+        if step.tied_embedding_sync > 0 and step.pp > 1:
+            ends = sorted({replay.row + replay.owner[0], replay.row + replay.owner[replay.last_stage]})
+            sync_start = max(ready[row] for row in ends)
+            for row in ends:
+                events.append(Event(row, "comm", EMBEDDING_SYNC, sync_start, sync_start + step.tied_embedding_sync))
+                ready[row] = sync_start + step.tied_embedding_sync
     # The runtime clips gradients by their global norm (one all-reduce of a scalar over all ranks), so
     # every optimizer step starts once the last rank's gradients are reduced.
     optimizer_start = max(ready)
-    for rank in range(step.pp):
-        optimizer = step.optimizer[rank] if step.optimizer else 0.0
+    done = []
+    for row in range(len(ready)):
+        step = steps[row // pp]
+        optimizer = step.optimizer[row % pp] if step.optimizer else 0.0
         if optimizer > 0:
-            events.append(Event(rank, "compute", OPTIMIZER, optimizer_start, optimizer_start + optimizer))
-        compute_free[rank] = optimizer_start + optimizer
-    step_time = max(compute_free)
-    by_rank: list[list[Event]] = [[] for _ in range(step.pp)]
+            events.append(Event(row, "compute", OPTIMIZER, optimizer_start, optimizer_start + optimizer))
+        done.append(optimizer_start + optimizer)
+    step_time = max(done)
+    by_row: list[list[Event]] = [[] for _ in ready]
     for event in events:
-        by_rank[event.rank].append(event)
-    for mine in by_rank:  # stable: events of one rank at one instant keep the order they happened in
+        by_row[event.rank].append(event)
+    for mine in by_row:  # stable: events of one rank at one instant keep the order they happened in
         mine.sort(key=_START_LANE)
-    events = [event for mine in by_rank for event in mine]  # by (rank, start, lane)
-    split = step.schedule in SPLIT_BACKWARD
-    ranks = [rank_result(step, rank, by_rank[rank], pipeline_time, step_time, split) for rank in range(step.pp)]
-    busiest = max(sum(replay.seconds[a.stage][a.kind] for a in actions) for actions in orders)
+    events = [event for mine in by_row for event in mine]  # by (row, start, lane)
+    split = steps[0].schedule in SPLIT_BACKWARD
+    ranks = [rank_result(steps[row // pp], row % pp, row, by_row[row], pipeline_time, step_time, split)
+             for row in range(len(ready))]
+    busiest = max(sum(replay.seconds[a.stage][a.kind] for a in actions)
+                  for replay in replays for actions in replay.orders)
     return SimResult(step_time_s=step_time, pipeline_time_s=pipeline_time,
                      bubble_fraction=(pipeline_time - busiest) / busiest if busiest > 0 else 0.0,
-                     busiest_rank_s=busiest, ranks=ranks, events=events, title=step.title, schedule=step.schedule,
-                     micro_batches=step.micro_batches, visits=replay.visits, actions=replay.total)
+                     busiest_rank_s=busiest, ranks=ranks, events=events, title=steps[0].title,
+                     schedule=steps[0].schedule, micro_batches=max(s.micro_batches for s in steps),
+                     visits=sum(r.visits for r in replays), actions=sum(r.total for r in replays),
+                     replicas=len(steps))
 
 
 _START_LANE = itemgetter(3, 1)  # Event.start, Event.lane
-
-
-# An Event from all its fields without NamedTuple's argument handling: hundreds of thousands per step.
-_new_tuple = tuple.__new__
-
-
-# What a rank's next action can wait for, one table each, indexed (table * stages + stage) * m + micro-batch.
-ACTIVATION_IN, GRADIENT_IN, FORWARD_DONE, INPUT_DONE = range(4)
-
-
-class _Replay:
-    """The event loop over one pipeline's action orders (module docstring, "How it runs")."""
-
-    def __init__(self, step: StepInput, orders: list[list[Action]]) -> None:
-        self.step, self.orders = step, orders
-        self.owner = stage_owners(orders)
-        self.last_stage = len(step.stages) - 1
-        self.weight_kind = BACKWARD_WEIGHT if step.schedule in SPLIT_BACKWARD else BACKWARD
-        # Seconds of each kind of pass per stage, looked up once per action.
-        self.seconds = [{FORWARD: t.forward, BACKWARD: t.backward_input + t.backward_weight,
-                         BACKWARD_INPUT: t.backward_input, BACKWARD_WEIGHT: t.backward_weight} for t in step.stages]
-        self.last_weight_action: dict[int, int] = {}  # stage -> index in its rank's order of its last W (or B)
-        for actions in orders:
-            for index, action in enumerate(actions):
-                if action.kind == self.weight_kind:
-                    self.last_weight_action[action.stage] = index
-        self.total = sum(len(a) for a in orders)
-        self.visits = 0
-        self.events: list[Event] = []
-        # produced[key]: when an input became available (None: not yet); parked[key]: the rank whose next
-        # action waits for it (-1: none). Flat lists: O(1) without hashing, linear in the actions.
-        self.table_size = len(step.stages) * step.micro_batches
-        self.produced: list[float | None] = [None] * (4 * self.table_size)
-        self.parked = [-1] * (4 * self.table_size)
-        self.queue: list[tuple[float, int, float, float]] = []  # (start, rank, end, gather start) of ready ones
-        self.cursor = [0] * step.pp
-        self.link_free: dict[tuple[int, int], float] = {}  # (rank, +1/-1 direction) -> its send link free
-        # Gradient reductions and parameter gathers of a rank share its data-parallel communicator: NCCL runs
-        # the collectives of one communicator one after another, in the order they are issued.
-        self.collective_free = [0.0] * step.pp
-        self.compute_free = [0.0] * step.pp
-        self.gathered: set[int] = set()  # stages whose weights are gathered right now
-
-    def key(self, table: int, stage: int, micro_batch: int) -> int:
-        return table * self.table_size + stage * self.step.micro_batches + micro_batch
-
-    def input_key(self, action: Action) -> int:
-        """What the action waits for; -1 when nothing (the first stage's forwards)."""
-        kind, stage, micro_batch = action
-        at = stage * self.step.micro_batches + micro_batch
-        if kind == FORWARD:
-            return -1 if stage == 0 else ACTIVATION_IN * self.table_size + at
-        if kind == BACKWARD_WEIGHT:
-            return INPUT_DONE * self.table_size + at
-        if stage == self.last_stage:  # the loss is computed right after the last forward
-            return FORWARD_DONE * self.table_size + at
-        return GRADIENT_IN * self.table_size + at
-
-    def offer(self, rank: int) -> None:
-        """Queue the rank's next action if its input is there, else park the rank under that input."""
-        index = self.cursor[rank]
-        actions = self.orders[rank]
-        if index == len(actions):
-            return
-        self.visits += 1
-        action = actions[index]
-        key = self.input_key(action)
-        ready = 0.0 if key < 0 else self.produced[key]
-        if ready is None:
-            self.parked[key] = rank
-            return
-        start, end, gather_start = self.timing(rank, action, ready)
-        heappush(self.queue, (start, rank, end, gather_start))
-
-    def publish(self, key: int, time: float) -> None:
-        self.produced[key] = time
-        rank = self.parked[key]
-        if rank >= 0:
-            self.offer(rank)
-
-    def gather_before(self, action: Action) -> float:
-        """Seconds of parameter gathering this action waits for (0 when none)."""
-        gather = self.step.stages[action.stage].param_gather
-        if gather <= 0 or action.kind == BACKWARD_WEIGHT or action.stage in self.gathered:
-            return 0.0
-        return gather
-
-    def timing(self, rank: int, action: Action, ready: float) -> tuple[float, float, float]:
-        """(start, end, gather start) of an action whose input is ready at `ready`. Depends only on the
-        rank's own state, which changes only when the rank runs an action: valid until it is popped."""
-        start = max(ready, self.compute_free[rank])
-        duration = self.seconds[action.stage][action.kind]
-        gather = self.gather_before(action)
-        if gather <= 0:
-            return start, start + duration, -1.0
-        times = self.step.stages[action.stage]
-        # Once-per-step gathers are issued at t=0; per-pass gathers when the pass could otherwise start.
-        issue = start if times.reshard_after_forward or times.reshard_after_backward else 0.0
-        gather_start = max(self.collective_free[rank], issue)
-        if not self.step.overlap_param_gather:
-            start = max(start, gather_start + gather)
-            return start, start + duration, gather_start
-        layers = max(1, times.buckets)
-        start = max(start, gather_start + gather / layers)
-        return start, max(start + duration, gather_start + gather + duration / layers), gather_start
-
-    def ship(self, rank: int, target_stage: int, kind: str, micro_batch: int, end: float, seconds: float) -> None:
-        """Hand an activation (kind F) or a gradient (kind B) produced at `end` to `target_stage`."""
-        target_rank = self.owner[target_stage]
-        key = self.key(ACTIVATION_IN if kind == FORWARD else GRADIENT_IN, target_stage, micro_batch)
-        if target_rank == rank:
-            self.publish(key, end)
-            return
-        direction = 1 if target_rank > rank else -1
-        start = max(end, self.link_free.get((rank, direction), 0.0))
-        self.link_free[rank, direction] = start + seconds
-        if not self.step.async_p2p:  # a blocking send holds the sender until the receiver has it
-            self.compute_free[rank] = max(self.compute_free[rank], start + seconds)
-        self.events.append(_new_tuple(Event, (rank, "comm", SEND_ACTIVATION if kind == FORWARD else SEND_GRADIENT,
-                                              start, start + seconds, target_stage, micro_batch, target_rank)))
-        self.publish(key, start + seconds)
-
-    def run(self) -> tuple[list[Event], list[float], list[float]]:
-        """Replay every action; (events, compute free, collective free per rank)."""
-        step, events, queue, orders, cursor = self.step, self.events, self.queue, self.orders, self.cursor
-        stages, last_stage, publish, ship = step.stages, self.last_stage, self.publish, self.ship
-        for rank in range(step.pp):
-            self.offer(rank)
-        done = 0
-        while queue:
-            start, rank, end, gather_start = heappop(queue)
-            index = cursor[rank]
-            action = orders[rank][index]
-            kind, stage, micro_batch = action
-            times = stages[stage]
-            if gather_start >= 0:
-                gather_end = gather_start + self.gather_before(action)
-                self.collective_free[rank] = gather_end
-                events.append(Event(rank, "comm", PARAM_GATHER, gather_start, gather_end, stage, micro_batch))
-            if times.param_gather > 0 and kind != BACKWARD_WEIGHT:
-                frees = times.reshard_after_forward if kind == FORWARD else times.reshard_after_backward
-                (self.gathered.discard if frees else self.gathered.add)(stage)
-            self.compute_free[rank] = end
-            cursor[rank] = index + 1
-            done += 1
-            events.append(_new_tuple(Event, (rank, "compute", kind, start, end, stage, micro_batch, -1)))
-            if kind == FORWARD:
-                if stage < last_stage:
-                    ship(rank, stage + 1, FORWARD, micro_batch, end, times.send_activation)
-                else:
-                    publish(self.key(FORWARD_DONE, stage, micro_batch), end)
-            elif kind == BACKWARD_INPUT:
-                publish(self.key(INPUT_DONE, stage, micro_batch), end)
-            if (kind == BACKWARD or kind == BACKWARD_INPUT) and stage > 0:
-                ship(rank, stage - 1, BACKWARD, micro_batch, end, stages[stage - 1].send_activation)
-            if times.grad_reduce > 0 and ((times.reduce_every_micro_batch and kind == self.weight_kind)
-                                          or self.last_weight_action.get(stage) == index):
-                self.reduce(rank, action, start, end)
-            self.offer(rank)
-        self.visits += done
-        if done < self.total:
-            stuck = [str(self.orders[r][self.cursor[r]]) for r in range(step.pp)
-                     if self.cursor[r] < len(self.orders[r])]
-            raise RuntimeError(f"schedule {step.schedule} deadlocks at {stuck}")
-        return events, self.compute_free, self.collective_free
-
-    def reduce(self, rank: int, action: Action, start: float, end: float) -> None:
-        """The data-parallel gradient reduction after a weight-gradient action (module docstring)."""
-        times = self.step.stages[action.stage]
-        if self.step.overlap_grad_reduce:
-            buckets = max(1, times.buckets)  # ready one by one while this action runs
-            reduce_start = max(self.collective_free[rank], start + (end - start) / buckets)
-            reduce_end = max(reduce_start + times.grad_reduce, end + times.grad_reduce / buckets)
-        else:  # after the backward, and the rank waits for it
-            reduce_start = max(self.collective_free[rank], end)
-            reduce_end = reduce_start + times.grad_reduce
-            self.compute_free[rank] = reduce_end
-        self.collective_free[rank] = reduce_end
-        self.events.append(Event(rank, "comm", GRAD_REDUCE, reduce_start, reduce_end,
-                                 action.stage, action.micro_batch if times.reduce_every_micro_batch else -1))
 
 
 def _check(step: StepInput) -> None:

@@ -6,8 +6,12 @@ Plan.stage_owner, rank labels from the plan's placement. The data-parallel colle
 with the cost model's own formulas and links (the Estimate only carries their per-rank total). `simulate_plan` runs it,
 `rerank` re-orders planner candidates by simulated step time.
 
-One pipeline (one dp replica) is simulated; tp and cp ranks of a stage move in lockstep, so a row of the
-picture stands for all the global ranks of one pp coordinate.
+Replicas: when the dp replicas differ (uneven `replica_micro_batches`, or pp ranks on different device types
+per replica), every distinct one is simulated (sim/engine.simulate_replicas): its own micro-batches, its
+stage compute scaled from the estimate's by the cost model's layer times on its own devices, gradient
+reductions shared with the others. Replicas that are alike (same micro-batches, same device group on every
+pp rank) are simulated once, as are all replicas of a homogeneous plan: a row then stands for all the
+global ranks of one pp coordinate (tp and cp ranks of a stage move in lockstep).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from fivefold.errors import SpecError
-from fivefold.sim.engine import SimResult, StageTimes, StepInput, simulate
+from fivefold.sim.engine import SimResult, StageTimes, StepInput, simulate_replicas
 from fivefold.spec.plan import Plan
 
 
@@ -35,14 +39,21 @@ def parse_stage_times(texts: Iterable[str], num_stages: int) -> dict[int, float]
     return scales
 
 
-def rank_labels(plan: Plan) -> tuple[str, ...]:
-    """'pp0: ranks 0-3' per pp rank, with the device type(s) when the cluster mixes types."""
+def rank_labels(plan: Plan, replicas: list[int] | None = None) -> tuple[str, ...]:
+    """'pp0: ranks 0-3' per pp rank, with the device type(s) when the cluster mixes types; for the dp
+    replicas `replicas` alone (alike ones, the first named) 'dp1 pp0: ranks 2-3 (+2 replicas alike)'."""
     mixed = len({g.device.name for g in plan.cluster.groups}) > 1
     labels = []
     for pp_rank in range(plan.pp):
-        first = plan.rank_of(pp=pp_rank)
-        ranks = [first + i for i in range(plan.dp * plan.cp * plan.tp)]  # pp is the outermost mesh dim
-        text = f"pp{pp_rank}: rank {first}" if len(ranks) == 1 else f"pp{pp_rank}: ranks {ranks[0]}-{ranks[-1]}"
+        if replicas is None:  # every replica: pp is the outermost mesh dim
+            first, count, name = plan.rank_of(pp=pp_rank), plan.dp * plan.cp * plan.tp, f"pp{pp_rank}"
+        else:
+            first, count = plan.rank_of(pp=pp_rank, dp=replicas[0]), plan.cp * plan.tp
+            name = f"dp{replicas[0]} pp{pp_rank}"
+        ranks = [first + i for i in range(count)]
+        text = f"{name}: rank {first}" if len(ranks) == 1 else f"{name}: ranks {ranks[0]}-{ranks[-1]}"
+        if replicas is not None and len(replicas) > 1:
+            text += f" (+{len(replicas) - 1} replicas alike)"
         if mixed:
             devices = dict.fromkeys(plan.cluster.group_of(plan.placement[r]).device.name for r in ranks)
             text += "\n" + "/".join(devices)
@@ -81,8 +92,73 @@ def _collectives(plan: Plan, stack: Any) -> tuple[list[tuple[float, float]], flo
     return out, tied
 
 
+def distinct_replicas(plan: Plan) -> list[list[int]]:
+    """The dp replicas grouped by what they run: same micro-batches and the same device group (the slowest of
+    its tp and cp ranks) on every pp rank. One group for a homogeneous plan."""
+    from fivefold.cost.comm import topology_of
+
+    topology, dtype = topology_of(plan.cluster), plan.train.dtype
+    speed = [g.device.flops(dtype) for g in plan.cluster.groups]
+    groups: dict[tuple, list[int]] = {}
+    for replica in range(plan.dp):
+        devices = tuple(min((topology.group_of[plan.placement[plan.rank_of(pp=r, dp=replica, cp=c, tp=t)]]
+                             for c in range(plan.cp) for t in range(plan.tp)), key=lambda g: (speed[g], g))
+                        for r in range(plan.pp))
+        groups.setdefault((plan.micro_batches_of_replica(replica), devices), []).append(replica)
+    return list(groups.values())
+
+
+def _compute_ratios(plan: Plan, stack: Any, replica: int) -> list[tuple[float, float, float]]:
+    """Per pp rank: (F, B, W) of one layer on `replica`'s device over the same on the device the estimate
+    costed that rank on (the cost model's own layer times; 1 where they are the same device)."""
+    from fivefold.cost.comm import topology_of
+    from fivefold.cost.compute import Device
+    from fivefold.cost.layout import Layout, RankEnv, layer_costs, rank_envs
+
+    layout, topology = Layout.of_plan(plan), topology_of(plan.cluster)
+    envs = rank_envs(layout, topology)
+    speed = [g.device.flops(plan.train.dtype) for g in plan.cluster.groups]
+    ratios = []
+    for r, env in enumerate(envs):
+        group = min((topology.group_of[plan.placement[plan.rank_of(pp=r, dp=replica, cp=c, tp=t)]]
+                     for c in range(plan.cp) for t in range(plan.tp)), key=lambda g: (speed[g], g))
+        spec = plan.cluster.groups[group]
+        own = RankEnv(Device(spec.device, plan.train.dtype, spec.calibration), env.capacity, env.tp, env.cp, env.ep,
+                      env.replicas, env.expert_replicas)
+        mine, costed = layer_costs(layout, own, stack)[0], layer_costs(layout, env, stack)[0]
+        ratios.append(tuple(a / b if b > 0 else 1.0 for a, b in (
+            (mine.forward, costed.forward),
+            (mine.backward_input + mine.recompute, costed.backward_input + costed.recompute),
+            (mine.backward_weight, costed.backward_weight))))
+    return ratios
+
+
+def replica_inputs(plan: Plan, estimate: Any, stage_scale: dict[int, float] | None = None) -> list[StepInput]:
+    """One engine input per distinct dp replica (module docstring); just from_estimate's when all are alike."""
+    replicas = distinct_replicas(plan)
+    step = from_estimate(plan, estimate, stage_scale)
+    if len(replicas) == 1:
+        return [step]
+    from dataclasses import replace
+
+    from fivefold.cost.stack import STACKS
+
+    stack = STACKS.get(getattr(estimate, "stack", "modern"), STACKS["modern"])
+    inputs = []
+    for members in replicas:
+        ratios = _compute_ratios(plan, stack, members[0])
+        stages = tuple(replace(times, forward=times.forward * ratios[owner][0],
+                               backward_input=times.backward_input * ratios[owner][1],
+                               backward_weight=times.backward_weight * ratios[owner][2])
+                       for times, owner in zip(step.stages, (plan.stage_owner(i) for i in range(plan.num_stages))))
+        inputs.append(replace(step, micro_batches=plan.micro_batches_of_replica(members[0]), stages=stages,
+                              rank_labels=rank_labels(plan, members)))
+    return inputs
+
+
 def from_estimate(plan: Plan, estimate: Any, stage_scale: dict[int, float] | None = None) -> StepInput:
-    """The engine input of `plan` from its cost-model Estimate; `stage_scale` scales stage compute times."""
+    """The engine input of `plan` from its cost-model Estimate (the replica it costs: the slowest device of
+    each pp rank, the pacing replica's micro-batches); `stage_scale` scales stage compute times."""
     costs = list(estimate.stage_costs)
     if len(costs) != plan.num_stages:
         raise SpecError("estimate.stage_costs", len(costs), f"needs one per virtual stage ({plan.num_stages})")
@@ -129,7 +205,7 @@ def simulate_plan(plan: Plan, stage_scale: dict[int, float] | None = None, estim
         from fivefold.cost import estimate as estimate_plan
 
         estimate = estimate_plan(plan)
-    return simulate(from_estimate(plan, estimate, stage_scale))
+    return simulate_replicas(replica_inputs(plan, estimate, stage_scale))
 
 
 def rerank(candidates: list[Plan], n: int) -> list[tuple[Plan, SimResult]]:

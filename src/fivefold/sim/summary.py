@@ -42,9 +42,10 @@ def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return merged
 
 
-def rank_result(step: StepInput, rank: int, mine: list[Event], pipeline_time: float, step_time: float,
+def rank_result(step: StepInput, rank: int, row: int, mine: list[Event], pipeline_time: float, step_time: float,
                 split: bool) -> RankResult:
-    """Busy, communication, idle, bubble and memory of one rank from its events (in start order)."""
+    """Busy, communication, idle, bubble and memory of pp rank `rank` from its events (in start order),
+    drawn as row `row` (replica * pp + rank)."""
     compute_spans = [(e.start, e.end) for e in mine if e.lane == "compute"]
     compute = _merge(compute_spans)
     comm = _merge([(e.start, e.end) for e in mine if e.lane == "comm"])
@@ -55,7 +56,7 @@ def rank_result(step: StepInput, rank: int, mine: list[Event], pipeline_time: fl
     own_pipeline = sum(e.end - e.start for e in mine if e.kind in COMPUTE_KINDS)
     label = step.rank_labels[rank] if step.rank_labels else f"pp{rank}"
     memory = _memory_curve(step, rank, mine, split)
-    return RankResult(rank=rank, label=label, busy_s=busy, comm_s=comm_total, exposed_comm_s=exposed,
+    return RankResult(rank=row, label=label, busy_s=busy, comm_s=comm_total, exposed_comm_s=exposed,
                       idle_s=max(0.0, step_time - covered),
                       bubble_fraction=(pipeline_time - own_pipeline) / own_pipeline if own_pipeline else 0.0,
                       peak_memory_bytes=max(b for _, b in memory), memory=memory, busy_spans=compute,
