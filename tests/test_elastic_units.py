@@ -131,3 +131,28 @@ def test_event_log_appends_lines(tmp_path):
 def test_bad_elastic_flags_stop_with_one_line(capsys, argv, message):
     code = main(["train", "--cluster", "1x1xcpu", "--seq-len", "32", "--device", "cpu", *argv])
     assert code == 2 and capsys.readouterr().err.strip() == message
+
+
+def test_replan_keeps_sequence_parallel_off(monkeypatch):
+    """`--tp 2 --no-sequence-parallel`, resumed on 2 processes: the new plan keeps sequence parallel off,
+    whether the flag is given again or only the plan (file) says so."""
+    import fivefold.elastic.replan as replan
+    from fivefold.cli import REPLAN_KEEPS, build_parser
+
+    plan = Plan(model=PRESETS["tiny"], cluster=parse_cluster("1x4xcpu"),
+                train=TrainSpec(seq_len=32, global_batch=16, dtype="fp32"), dp=2, tp=2, sequence_parallel=False)
+    args = build_parser().parse_args(["train", "--tp", "2", "--no-sequence-parallel"])
+    shrunk, _ = replan_for_world(plan, 2, Choices(**{k: getattr(args, k) for k in REPLAN_KEEPS}),
+                                 lambda p: check_runnable(p, 2, "cpu", 0))
+    assert (shrunk.tp, shrunk.sequence_parallel) == (2, False)
+    searched = []  # with --plan no flag is given: the choices the planner gets come from the plan
+
+    def spy(model, cluster, train, choices, **kw):
+        searched.append(choices)
+        return real_search(model, cluster, train, choices, **kw)
+
+    real_search = replan.search
+    monkeypatch.setattr(replan, "search", spy)
+    replan_for_world(plan, 2, None, lambda p: check_runnable(p, 2, "cpu", 0))
+    replan_for_world(plan.replace(sequence_parallel=True), 2, None, lambda p: check_runnable(p, 2, "cpu", 0))
+    assert [choices.sequence_parallel for choices in searched] == [False, None]

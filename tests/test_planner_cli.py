@@ -77,3 +77,33 @@ def test_simulate_top_reranks_the_best_candidates_by_simulated_step_time(capsys)
     assert simulated == sorted(simulated)  # ranked by what the simulator says, fastest first
     # the simulator agrees with the estimate on these homogeneous plans (issue 5's 3%)
     assert all(abs(c["simulated_step_time_s"] / c["step_time_s"] - 1) < 0.03 for c in candidates)
+
+
+def test_simulate_top_simulates_each_candidate_under_its_own_stack(capsys):
+    """megatron-lm-2022 estimates ~2.2 s here and the default stack ~1.5 s: the simulations must follow the
+    stack the search costed with, not the default one."""
+    candidates = _json(capsys, ["plan", "--model", "llama3-8b", "--cluster", "2x8xH100-SXM", "--seq-len", "4096",
+                                "--global-batch", "64", "--stack", "megatron-lm-2022", "--top", "4",
+                                "--simulate-top", "3", "--json"])["candidates"]
+    simulated = [c for c in candidates if "simulated_step_time_s" in c]
+    assert len(simulated) == 3 and candidates[:3] == simulated  # the simulated ones lead
+    assert [c["simulated_step_time_s"] for c in simulated] == sorted(c["simulated_step_time_s"] for c in simulated)
+    assert all(c["stack"] == "megatron-lm-2022" for c in candidates)
+    assert all(abs(c["simulated_step_time_s"] / c["step_time_s"] - 1) < 0.03 for c in simulated)
+
+
+def test_simulate_takes_the_stack(capsys, tmp_path):
+    from fivefold.cli import build_parser
+    from fivefold.cost import stack_named
+    from fivefold.flags import plan_from_args
+
+    argv = ["simulate", "--model", "llama3-8b", "--cluster", "2x8xH100-SXM", "--seq-len", "4096", "--global-batch",
+            "64", "--tp", "2", "--pp", "2", "--out-dir", str(tmp_path), "--json"]
+    by_stack = {}
+    for stack in ("modern", "megatron-lm-2022"):
+        by_stack[stack] = _json(capsys, [*argv, "--stack", stack])
+        plan = plan_from_args(build_parser().parse_args([*argv, "--stack", stack]))
+        expected = estimate(plan, stack_named(stack)).step_time_s
+        assert by_stack[stack]["estimate_step_time_s"] == pytest.approx(expected, rel=1e-12)
+        assert by_stack[stack]["step_time_s"] == pytest.approx(expected, rel=0.03)
+    assert by_stack["megatron-lm-2022"]["step_time_s"] > 1.2 * by_stack["modern"]["step_time_s"]

@@ -265,3 +265,14 @@ def test_run_config_flags_round_trip_through_the_train_parser():
         RunConfig("", steps=0).validate()
     with pytest.raises(SpecError, match="--trace=True: needs --metrics-file"):
         RunConfig("", trace=True).validate()
+
+
+def test_every_run_config_flag_field_is_a_train_flag_with_the_same_default():
+    import dataclasses
+
+    from fivefold.cli import build_parser
+
+    parsed = vars(build_parser().parse_args(["train"]))
+    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+    assert {name: parsed.get(name, "missing") for name in RunConfig.flag_fields()} == {
+        name: defaults[name] for name in RunConfig.flag_fields()}

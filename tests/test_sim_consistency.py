@@ -16,7 +16,7 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.cost import STACKS, estimate
-from fivefold.sim import rerank, simulate_plan
+from fivefold.sim import simulate_plan
 from fivefold.spec import Plan, TrainSpec, parse_cluster
 from fivefold.spec.model import ModelSpec
 
@@ -193,11 +193,21 @@ def test_zbv_pays_its_warm_up_stagger() -> None:
 
 
 def test_rerank_orders_candidates_by_simulated_step_time() -> None:
+    from fivefold.planner import Candidate, SearchResult
+    from fivefold.planner.rerank import rerank_by_simulation
+
+    def rerank(plans: list, n: int) -> list[tuple[object, float]]:
+        result = SearchResult([Candidate(p, estimate(p)) for p in plans], examined=len(plans), costed=len(plans),
+                              seconds=0.0)
+        rerank_by_simulation(result, n)
+        return [(c.plan, c.simulated_step_time_s) for c in result.candidates[:n]]
+
     candidates = [plan_of(8, "gpipe", 1, 8, 0), plan_of(2, "1f1b", 1, 8, 0), plan_of(4, "zb-h1", 1, 8, 0)]
     ranked = rerank(candidates, 3)
-    times = [result.step_time_s for _, result in ranked]
+    times = [step_time_s for _, step_time_s in ranked]
     assert times == sorted(times) and {p.pp for p, _ in ranked} == {8, 2, 4}
     assert [p.pp for p, _ in rerank(candidates, 1)] == [8]
+    assert times == sorted(simulate_plan(p).step_time_s for p in candidates)  # each under its estimate's stack
 
 
 def test_cli_simulate_writes_trace_and_picture(tmp_path, capsys) -> None:

@@ -54,6 +54,8 @@ def replan_for_world(plan: Plan, nproc: int, fixed: Choices | None = None,
     """The best plan for `nproc` processes that `runnable` accepts (it raises SpecError otherwise), and
     the line that says what changed and why."""
     fixed = fixed or Choices()
+    if fixed.sequence_parallel is None and plan.tp > 1 and not plan.sequence_parallel:
+        fixed = dataclasses.replace(fixed, sequence_parallel=False)  # the run turned it off: keep it off
     # The micro-batch size is what memory was sized for: keep it, so fewer replicas mean more accumulation.
     micro_batch = fixed.micro_batch or plan.micro_batch
     fixed, dropped = fitting(dataclasses.replace(fixed, cp=1, ep=1, micro_batch=micro_batch), nproc)

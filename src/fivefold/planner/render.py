@@ -108,4 +108,26 @@ def plan_renderables(result: SearchResult, title: str) -> list:
                       f"+-{e.error_band:.0%}" if e.error_band is not None else "?")
     out: list = [table]
     out.extend(f"#1 note: {line}" for line in result.candidates[0].estimate.notes)
+    simulated = [f"#{i} {c.simulated_step_time_s:.3f} s" for i, c in enumerate(result.candidates, 1)
+                 if c.simulated_step_time_s is not None]
+    if simulated:
+        out.append(f"re-ranked the best {len(simulated)} by simulated step time: " + ", ".join(simulated))
+    out.append(f"why #1: {result.explanation}")
+    out.extend(f"#1 {line}" for line in result.placement)  # mixed clusters: which group holds what, and why
+    out.append(f"searched {result.examined:,} candidate plans ({result.costed:,} costed in full) in "
+               f"{result.seconds:.2f} s: {result.candidates_per_s:,.0f} candidates/s")
     return out
+
+
+def plan_json(result: SearchResult, model: str, cluster: str, out: str | None) -> dict:
+    """`plan --json`: the ranked candidates (estimate without per-stage rows, simulated time when
+    re-ranked, layout), why #1, the placement and the search's own numbers."""
+    ranked = []
+    for rank, candidate in enumerate(result.candidates, 1):
+        entry = {k: v for k, v in candidate.estimate.to_dict().items() if k != "stages"}
+        if candidate.simulated_step_time_s is not None:
+            entry["simulated_step_time_s"] = candidate.simulated_step_time_s
+        ranked.append({"rank": rank, **entry, "layout": candidate.plan.to_dict()["plan"]})
+    return {"model": model, "cluster": cluster, "candidates": ranked, "explanation": result.explanation,
+            "placement": result.placement, "examined": result.examined, "costed": result.costed,
+            "seconds": result.seconds, "candidates_per_s": result.candidates_per_s, "out": out}

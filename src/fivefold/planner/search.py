@@ -52,6 +52,7 @@ class Candidate:
 
     plan: Plan
     estimate: Estimate
+    simulated_step_time_s: float | None = None  # set by `plan --simulate-top` (planner/rerank.py)
 
 
 @dataclass

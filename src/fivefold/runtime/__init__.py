@@ -9,7 +9,9 @@ ZeRO levels, torch.distributed.pipelining schedules, activation checkpointing, a
     train.py        the training loop of one worker (RunConfig -> summary)
     checkpointing.py  async save, exact resume, resharding to another plan, initial weights from HF
     metrics.py      metrics file, progress bar, MFU, peak memory
-    launch.py       pre-launch checks, local worker processes (restarts: fivefold.elastic), the torchrun line
+    launch.py       pre-launch checks, the run folder, local worker processes (restarts: fivefold.elastic),
+                    the torchrun line
+    prepare.py      what `fivefold train` settles before workers start (re-plan, checks, resume, run folder)
 """
 
 from fivefold.runtime.config import RunConfig

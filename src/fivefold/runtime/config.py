@@ -96,3 +96,4 @@ class RunConfig:
         require(self.straggler_patience >= 1, "--straggler-patience", self.straggler_patience,
                 "must be at least 1 step")
         require(self.steps >= 1, "--steps", self.steps, "must be at least 1")
+

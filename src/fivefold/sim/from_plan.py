@@ -3,8 +3,8 @@
 `from_estimate(plan, estimate)` reads `fivefold.cost.estimate(plan)` (Estimate.stage_costs, one StageCost per
 virtual stage; optimizer_s; rank_memory) and lays it on the plan's pipeline: stage -> pp rank by
 Plan.stage_owner, rank labels from the plan's placement. The data-parallel collectives are timed per stage
-with the cost model's own formulas and links (the Estimate only carries their per-rank total). `simulate_plan` runs it,
-`rerank` re-orders planner candidates by simulated step time.
+with the cost model's own formulas and links (the Estimate only carries their per-rank total). `simulate_plan` runs it
+(planner/rerank.py re-orders planner candidates by simulated step time).
 
 Replicas: when the dp replicas differ (uneven `replica_micro_batches`, or pp ranks on different device types
 per replica), every distinct one is simulated (sim/engine.simulate_replicas): its own micro-batches, its
@@ -206,11 +206,3 @@ def simulate_plan(plan: Plan, stage_scale: dict[int, float] | None = None, estim
 
         estimate = estimate_plan(plan)
     return simulate_replicas(replica_inputs(plan, estimate, stage_scale))
-
-
-def rerank(candidates: list[Plan], n: int) -> list[tuple[Plan, SimResult]]:
-    """Simulate the first `n` candidates and return them fastest first by simulated step time."""
-    if n < 0:
-        raise SpecError("--simulate-top", n, "must be >= 0")
-    simulated = [(plan, simulate_plan(plan)) for plan in candidates[:n]]
-    return sorted(simulated, key=lambda pair: pair[1].step_time_s)

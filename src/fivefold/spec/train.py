@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fivefold.errors import SpecError, require
 from fivefold.spec.checks import check_count
+
+if TYPE_CHECKING:
+    from fivefold.spec.cluster import ClusterSpec
 
 DTYPES = ("bf16", "fp16", "fp32", "fp8")
 OPTIMIZERS = ("adamw",)
@@ -33,6 +37,11 @@ class TrainSpec:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def default_dtype(cluster: ClusterSpec) -> str:
+    """fp32 on a cluster of CPUs (no fast low-precision GEMMs there), bf16 on anything with a GPU."""
+    return "fp32" if all(group.device.name == "cpu" for group in cluster.groups) else "bf16"
 
 
 def train_from_dict(data: dict) -> TrainSpec:

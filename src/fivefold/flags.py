@@ -1,0 +1,136 @@
+"""The flags several verbs share, and what they describe: the model, cluster and training (`add_spec_flags`),
+the layout (`add_layout_flags`; spec/layout.py fills in what is not given), the software stack, --json, and
+the run flags of `train` (`add_run_flags`: RunConfig's fields, runtime/config.py). Parsing only: argparse and
+the spec/ parsers; nothing here imports torch, so `fivefold plan` starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fivefold.spec import ClusterSpec, ModelSpec, Plan, TrainSpec
+
+
+def add_spec_flags(parser: argparse.ArgumentParser) -> None:
+    """--model/--cluster/--seq-len/--global-batch/--dtype: what to train and where."""
+    group = parser.add_argument_group("what and where")
+    group.add_argument("--model", default="tiny", help="preset name, TOML file, or inline "
+                       "layers=..,hidden=..,heads=..,vocab=..[,mlp=gelu] (default: tiny)")
+    group.add_argument("--cluster", default="1x4xcpu",
+                       help="NODESxGPUSxDEVICE[:nvlink=..,nic=..] groups joined by '+', or a TOML file "
+                            "(default: 1x4xcpu)")
+    group.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: 128)")
+    group.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step (default: 8)")
+    group.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "fp8"], default=None,
+                       help="compute dtype (default: fp32 on cpu clusters, bf16 otherwise); fp8: FP8 GEMMs, "
+                            "BF16 elsewhere (H100 and newer)")
+
+
+def add_layout_flags(parser: argparse.ArgumentParser, for_search: bool = False) -> None:
+    """Degrees and the rest of a layout. In `plan` each fixes that choice of the search."""
+    group = parser.add_argument_group("layout" + (" (each one given fixes that choice in the search)"
+                                                  if for_search else ""))
+    for dim, text in (("dp", "data-parallel"), ("tp", "tensor-parallel"), ("pp", "pipeline-parallel"),
+                      ("cp", "context-parallel"), ("ep", "expert-parallel")):
+        default_text = "" if for_search else (" (default: world / (tp*pp*cp))" if dim == "dp" else " (default: 1)")
+        group.add_argument(f"--{dim}", type=int, default=None, help=f"{text} degree{default_text}")
+    group.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default: 1)")
+    group.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"], default=None,
+                       help="pipeline schedule (default: 1f1b)")
+    group.add_argument("--virtual-stages", type=int, default=None,
+                       help="model chunks per pipeline rank (default: 1; 2 for zbv)")
+    group.add_argument("--layers-per-stage", default=None, help="comma-separated layers of each stage, e.g. 3,5")
+    group.add_argument("--recompute", choices=["none", "selective", "full"], default=None,
+                       help="activation recompute (default: none)")
+    group.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                       help="sequence parallel with tp (default: on when tp > 1)")
+    group.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None,
+                       help="ZeRO level; 3 = FSDP (default: 0)")
+    if not for_search:
+        group.add_argument("--plan", default=None, help="a plan TOML file (replaces all the flags above)")
+
+
+def add_stack_flag(parser: argparse.ArgumentParser) -> None:
+    from fivefold.cost.stack import stack_help
+
+    parser.add_argument("--stack", default="modern", help="software the cost model assumes, and what it can run "
+                        "(default: modern). " + stack_help())
+
+
+def add_json_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
+
+
+LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "schedule", "virtual_stages", "recompute",
+                "sequence_parallel")
+
+
+# The layout flags a re-plan on another world size keeps (elastic/replan.py drops degrees that no longer fit).
+REPLAN_KEEPS = ("dp", "tp", "pp", "micro_batch", "schedule", "virtual_stages", "recompute", "zero", "sequence_parallel")
+
+
+def layout_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The layout flags as given (None = not given), keyed like Plan's fields."""
+    from fivefold.spec import parse_layers_per_stage
+
+    return {**{name: getattr(args, name) for name in LAYOUT_FLAGS},
+            "layers_per_stage": parse_layers_per_stage(args.layers_per_stage)}
+
+
+def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainSpec]:
+    """(ModelSpec, ClusterSpec, TrainSpec) from the shared flags."""
+    from fivefold.spec import TrainSpec, default_dtype, parse_cluster, parse_model
+
+    model = parse_model(args.model)
+    cluster = parse_cluster(args.cluster)
+    train = TrainSpec(seq_len=args.seq_len, global_batch=args.global_batch, dtype=args.dtype or default_dtype(cluster))
+    return model, cluster, train
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    """A Plan from --plan FILE, or from the spec and layout flags (spec/layout.py fills in the rest)."""
+    from fivefold.spec import layout_plan, load_plan
+
+    if getattr(args, "plan", None):
+        return load_plan(args.plan)
+    return layout_plan(*specs_from_args(args), **layout_from_args(args))
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The `train` flags of the run (each one a field of RunConfig in runtime/config.py, with the same default)
+    and of its launch on this machine (--nproc, --max-restarts)."""
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps (default: 10)")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights and data order (default: 0)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
+    p.add_argument("--warmup-steps", type=int, default=2, help="linear warmup steps (default: 2)")
+    p.add_argument("--data", default=None, help="token file (.bin/.npy) or text file; default: built-in corpus")
+    p.add_argument("--tokenizer", default=None, help="HF tokenizer.json; default: byte-level")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: auto")
+    p.add_argument("--nproc", type=int, default=None, help="worker processes (default: the plan's world size)")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (default: 1.0)")
+    p.add_argument("--metrics-file", default=None,
+                   help="append one JSON line per step here; its folder also gets plan.toml")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="folder of step-XXXXXXXX checkpoints (saved in the background; always after the last step)")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="also save every K steps (default: 0, only at the end)")
+    p.add_argument("--keep", type=int, default=3, help="complete checkpoints kept (default: 3)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir, under any plan")
+    p.add_argument("--init-from-hf", default=None,
+                   help="initial weights from a local Hugging Face Llama folder (its config.json sets the model)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restarts after a worker dies; each resumes from the newest complete checkpoint (default: 0)")
+    p.add_argument("--max-loss-spike", type=float, default=3.0, help="skip the update when the loss exceeds "
+                   "FACTOR x the running median of recent losses; 0 disables (default: 3.0)")
+    p.add_argument("--max-bad-steps", type=int, default=3, help="after K bad steps in a row (NaN/Inf or spike), "
+                   "roll back to the newest checkpoint and skip those batches; 0 = never (default: 3)")
+    p.add_argument("--straggler-factor", type=float, default=1.5, help="report a rank whose compute is this "
+                   "much slower than the median rank's; 0 disables (default: 1.5)")
+    p.add_argument("--straggler-patience", type=int, default=3,
+                   help="... for this many steps in a row (default: 3)")
+    p.add_argument("--collective-timeout", type=float, default=600.0, help="seconds a collective waits for a "
+                   "peer before the step fails with an error (default: 600)")
+    p.add_argument("--trace", action="store_true", help="record a per-rank timeline for `fivefold report`")

@@ -1,0 +1,80 @@
+"""What `fivefold train` settles before any worker starts, and the line it prints when the run is done.
+
+`prepare_run` takes a checked RunConfig and the plan the flags describe, and returns everything the launch
+needs: the plan for this world size (re-planned when a resume runs on another number of processes), the
+checks of the runtime and the data, the checkpoint to resume from, the run folder, and the worker line.
+Every problem is a SpecError here, so a bad run stops before a process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from fivefold.runtime.config import RunConfig
+from fivefold.runtime.launch import check_data, check_runnable, prepare_run_dir, resolve_device, torchrun_world
+from fivefold.spec import Plan
+
+if TYPE_CHECKING:
+    from fivefold.planner import Choices
+
+
+@dataclass
+class PreparedRun:
+    plan: Plan  # the plan the workers run (re-planned for the world size when resuming on another one)
+    config: RunConfig  # complete: plan text, device, run folder, checkpoint to resume from
+    nproc: int  # processes in the whole world
+    worker_flags: list[str]  # the run's flags, for the torchrun line of several machines
+    plan_file: str | None  # the plan file that line names (None: no file was written or given)
+    torchrun_rank: int | None  # under torchrun: this process's global rank; None: the local launcher
+
+
+def prepare_run(plan: Plan, config: RunConfig, *, nproc: int | None, plan_file: str | None,
+                torchrun_worker: bool, fixed: Choices | None, say: Callable[[str], None],
+                warn: Callable[[str], None]) -> PreparedRun:
+    """Settle the run of `plan` under `config` (already validated). `nproc` is --nproc (None: the plan's world
+    size), `fixed` the layout flags a re-plan keeps, `say` gets the re-plan line and `warn` one line per
+    checkpoint skipped on the way to the one resumed from."""
+    from fivefold.checkpoint.resume import resume_checkpoint
+
+    device, gpus = resolve_device(config.device)
+    # Under torchrun (several machines) this process is one worker: torchrun started the world.
+    worker_world = torchrun_world() if torchrun_worker else None
+    local_nproc = worker_world[1] if worker_world else None
+    is_rank0 = worker_world is None or worker_world[2] == 0
+    world = worker_world[0] if worker_world else nproc if nproc is not None else plan.world_size
+    if config.resume and world != plan.world_size:  # shrinking or growing: a plan for the new world size
+        from fivefold.elastic.replan import replan_for_world
+
+        plan, line = replan_for_world(plan, world, fixed,
+                                      lambda p: check_runnable(p, world, device, gpus, local_nproc))
+        if is_rank0:
+            say(line)
+    check_runnable(plan, world, device, gpus, local_nproc)
+    check_data(plan, config.data, config.tokenizer)
+    resume_from = resume_checkpoint(plan, config.checkpoint_dir, config.resume, config.seed, config.steps, warn=warn)
+    run_dir, plan_file = prepare_run_dir(plan, config, plan_file, is_rank0)
+    worker_flags = config.to_flags()
+    config = dataclasses.replace(config, plan_toml=plan.to_toml(), device=device, run_dir=run_dir,
+                                 resume_from=str(resume_from) if resume_from else None)
+    return PreparedRun(plan, config, world, worker_flags, plan_file, worker_world[2] if worker_world else None)
+
+
+def done_lines(summary: dict, config: RunConfig) -> list[str]:
+    """What the launcher prints after a run: the recovery report (when workers failed) and one `done:` line."""
+    lines = []
+    if "recovery" in summary:
+        from fivefold.elastic.report import render_report
+
+        lines += render_report(summary["recovery"])
+    saves = ""
+    if config.checkpoint_dir:
+        blocked = summary["checkpoint_seconds"]["blocked"]  # per save: how long training waited for it
+        saves = (f"; checkpoints in {config.checkpoint_dir} (training waited {sum(blocked):.2f} s for "
+                 f"{len(blocked)} save(s))")
+    lines.append(f"done: {summary['steps']} steps of {summary['plan']}, final loss {summary['final_loss']:.4f}, "
+                 f"{summary['tokens_per_s']:,.0f} tok/s, mfu {100 * summary['mfu']:.2f}%, "
+                 f"peak memory {summary['peak_memory_gib']:.2f} GiB"
+                 + (f"; metrics in {config.metrics_file}" if config.metrics_file else "") + saves)
+    return lines
