@@ -56,3 +56,15 @@ def test_fp8_weight_copies_take_memory() -> None:
     bf16, fp8 = estimate(_plan("bf16"), stack).memory, estimate(_plan("fp8"), stack).memory
     layer = PRESETS["llama3-8b"].params_per_layer()
     assert fp8.transient - bf16.transient == pytest.approx(2 * layer, rel=1e-6)
+
+
+def test_optimizer_temporaries_set_the_peak_when_activations_are_small() -> None:
+    """torch's foreach AdamW allocates one fp32 list the size of the optimizer shard after backward freed the
+    activations: with ZeRO-0 replicas of a model whose activations are tiny, that is the peak."""
+    model = replace(PRESETS["llama3-8b"], max_seq_len=128)
+    plan = Plan(model=model, cluster=parse_cluster("1x2xH100-96GB"), train=TrainSpec(seq_len=128, global_batch=2),
+                dp=2, zero=0, recompute="full")
+    fused, foreach = STACKS["modern"], replace(STACKS["torchtitan"], allocator_slack=0.0)
+    memory = estimate(plan, foreach).memory
+    assert memory.transient == pytest.approx(4 * model.num_params(), rel=0.01)
+    assert estimate(plan, fused).memory.transient < 0.1 * memory.transient

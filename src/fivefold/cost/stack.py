@@ -70,6 +70,8 @@ class SoftwareStack:
     #                                    False: Korthikanti's, which redoes only the attention core
     loss_fp32_copies: int = 1  # fp32 tensors of the logits' size the loss holds: 1 for Megatron's fused
     #                            vocab-parallel cross-entropy, 2 for upcast + log-softmax (plain cross_entropy)
+    optimizer_temporary_bytes: float = 0.0  # bytes per optimizer element the step allocates besides its states
+    #                                        (torch's foreach AdamW: 4, one fp32 list; fused Adam kernels: 0)
     allocator_slack: float = 0.0  # caching-allocator reserve beyond what is allocated (block rounding and
     #                               fragmentation), a share of the activations and working memory that churn
     pipeline_keeps_outputs: bool = False  # pp > 1, torch.distributed.pipelining: the schedule keeps every
@@ -123,7 +125,7 @@ STACKS: dict[str, SoftwareStack] = {
     # the compute stream waits for it. Kernel-launch overhead is the default, not measured here; on a
     # profiled CPU the measured host costs of its eager ops, FSDP2 hooks and AdamW replace it (step.py).
     "fivefold": SoftwareStack(name="fivefold", dropout=False, overlap_tp_backward=False, grad_reduce_bytes=4,
-                              pipeline_keeps_outputs=True,
+                              pipeline_keeps_outputs=True, optimizer_temporary_bytes=4.0,
                               pipeline_defers_grad_sync=True, zero2_reshards_after_backward=True,
                               eager_host_costs=True, features=Features(
                                   built_on="FSDP2, DTensor TP, torch.distributed.pipelining, own CP, eager")),
@@ -137,7 +139,7 @@ STACKS: dict[str, SoftwareStack] = {
     "torchtitan": SoftwareStack(name="torchtitan", dropout=False, grad_reduce_bytes=4, overlap_tp_comm=True,
                                 pipeline_defers_grad_sync=True, zero2_reshards_after_backward=True,
                                 selective_saves_ops=True, loss_fp32_copies=2, loss_parallel_fp32_copies=1,
-                                pipeline_keeps_outputs=True,
+                                pipeline_keeps_outputs=True, optimizer_temporary_bytes=4.0,
                                 sdpa_flash2=True, allocator_slack=0.25,
                                 features=Features(parallelisms=("dp", "tp", "pp", "cp"), zero_levels=(0, 2, 3),
                                                   schedules=("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"),

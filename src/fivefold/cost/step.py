@@ -267,6 +267,11 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
         if stack.pipeline_keeps_outputs and p > 1:  # receive buffers: input and output gradient, per micro-batch
             hops = 2 * group.chunks - (1 if group.first else 0) - (1 if group.last else 0)
             working += hops * m_batches * activation_message
+        # The optimizer step runs after backward has freed the activations; its temporaries (torch's foreach
+        # AdamW: one fp32 list the size of the rank's optimizer shard) set the peak when they outweigh them.
+        if stack.optimizer_temporary_bytes:
+            elements = parts[2] / (8.0 if layout.train.dtype == "fp32" else 12.0)
+            working += max(0.0, stack.optimizer_temporary_bytes * elements - parts[3] - working)
         parts.append(working)
         parts.append(stack.reserved_bytes + stack.allocator_slack * (parts[3] + working))
         return parts
