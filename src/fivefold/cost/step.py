@@ -38,17 +38,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fivefold.cost.comm import Topology, all_reduce_time, p2p_time, topology_of
+from fivefold.cost.comm import Topology, p2p_time, topology_of
 from fivefold.cost.dataparallel import (data_parallel_time, fsdp_host_time, optimizer_host_time, optimizer_time,
                                        parameter_tensors)
 from fivefold.cost.flops import hardware_flops_per_step, model_flops_per_step
-from fivefold.cost.layer import ZERO_PASS, PassCost, padded_vocab
+from fivefold.cost.host import bookkeeping_time, with_host_costs
+from fivefold.cost.layer import padded_vocab
 from fivefold.cost.layout import (Layout, RankEnv, layer_costs, layer_work, rank_envs, stage_owners,  # noqa: F401
                                   stage_params)
 from fivefold.cost.memory import GIB, RankMemory, in_flight_chunks, zero_model_state_bytes
 from fivefold.cost.pipeline import pipeline_time, walked_pipelines
-from fivefold.cost.stack import (STACKS, SoftwareStack, TensorParallelCollectives, data_parallel_sync, eager_ops,
-                                 on_host_profiled_cpu, tensor_parallel_collectives)
+from fivefold.cost.stack import STACKS, SoftwareStack, data_parallel_sync, on_host_profiled_cpu
 from fivefold.spec.plan import Plan
 
 
@@ -308,64 +308,6 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
         rank_memory=rank_memory, stage_costs=stages, pipeline_s=pipe.total, bubble_s=pipe.bubble,
         pp_comm_s=pipe.p2p, dp_comm_s=data.total, dp_comm_exposed_s=dp_exposed, optimizer_s=optimizer,
         breakdown_s=breakdown, stack=stack.name)
-
-
-NO_TP_COLLECTIVES = TensorParallelCollectives(0, 0, 0, 0, 0, 0)
-
-
-def _host_pass(forward: float, backward: float, recompute: bool) -> PassCost:
-    """Host seconds in series with a pass: forward, input-gradient backward, and the forward again when
-    recomputed."""
-    redo = forward if recompute else 0.0
-    return PassCost(forward, backward, 0.0, redo, 0.0, 0.0, 0.0, 0.0, forward + backward + redo)
-
-
-def with_host_costs(layout: Layout, env: RankEnv, stack: SoftwareStack, costs: tuple) -> tuple:
-    """layer_costs' (layer, embedding, head, activation, transient) plus a per-stage-model PassCost, with
-    the eager stack's measured host costs added when the rank's device has them (module docstring)."""
-    host = env.device.host
-    if host is None or not stack.eager_host_costs:
-        return (*costs, ZERO_PASS)
-    layer, embedding, head, activation, transient = costs
-    ops = eager_ops(layout.model)
-    tensor_parallel = layout.tp > 1
-    op_f = host.dtensor_op_forward if tensor_parallel else host.op_forward
-    op_b = host.dtensor_op_backward if tensor_parallel else host.op_backward
-    # What each DTensor collective costs beyond the collective itself (which cost/layer.py charges).
-    tp = tensor_parallel_collectives(layout.sequence_parallel) if tensor_parallel else NO_TP_COLLECTIVES
-    collective = host.tp_collective
-    wrapped = layout.dp * layout.cp > 1  # FSDP2 / replicate wrap each block and each stage model
-    hooks_f, hooks_b = (host.fsdp_unit_forward, host.fsdp_unit_backward) if wrapped else (0.0, 0.0)
-    recompute = layout.recompute != "none"
-    # The unfused element-wise traffic beyond cost/layer.py's fused kernels: this rank's tokens, its TP shard.
-    tokens = layout.micro_batch * layout.train.seq_len / (layout.cp * layout.tp)
-    per_element = env.device.element_bytes / env.device.bandwidth
-    traffic_f = ops.layer_forward_traffic * tokens * per_element
-    traffic_b = ops.layer_backward_traffic * tokens * per_element
-    traffic = PassCost(traffic_f, traffic_b, 0.0, traffic_f if recompute else 0.0, traffic_f if recompute else 0.0,
-                       0.0, 0.0, 0.0, 0.0)
-    return (layer + traffic + _host_pass(ops.layer_forward * op_f + hooks_f + tp.layer_forward * collective,
-                                         ops.layer_backward * op_b + hooks_b + tp.layer_backward * collective,
-                                         recompute),
-            embedding + _host_pass(ops.embedding_forward * op_f + tp.embedding_forward * collective,
-                                   ops.embedding_backward * op_b + tp.embedding_backward * collective, False),
-            head + _host_pass(ops.head_forward * op_f + tp.head_forward * collective,
-                              ops.head_backward * op_b + tp.head_backward * collective, False),
-            activation, transient,
-            _host_pass(ops.stage_forward * op_f + hooks_f, hooks_b, False))
-
-
-def bookkeeping_time(layout: Layout, topology: Topology, env: RankEnv, pipeline_devices: list[int]) -> float:
-    """The runtime's small collectives of every step (runtime/train.py), each rank waiting for them:
-    the gradient norm's all-reduce and the metrics table's over the world, the loss's over the pipeline
-    and the data-parallel groups."""
-    world = topology.group_link([layout.placement[r] if layout.placement else r for r in range(layout.world_size)])
-    seconds = all_reduce_time(8, world) + all_reduce_time(16 * layout.world_size, world)
-    if layout.pp > 1:
-        seconds += all_reduce_time(4, topology.group_link(pipeline_devices))
-    if layout.dp > 1:
-        seconds += all_reduce_time(4, env.replicas)
-    return seconds
 
 
 _SHAPES: dict[tuple, tuple] = {}

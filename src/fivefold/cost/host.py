@@ -1,0 +1,68 @@
+"""Host (CPU) costs of an eager stack on profiled CPU ranks, added in series with the passes (cost/step.py):
+each pass's eager ops x the profile's seconds per op, DTensor collectives' host side, FSDP2 hooks, the
+unfused element-wise traffic beyond cost/layer.py's fused kernels, and the runtime's small per-step
+collectives."""
+
+from __future__ import annotations
+
+from fivefold.cost.comm import Topology, all_reduce_time
+from fivefold.cost.layer import ZERO_PASS, PassCost
+from fivefold.cost.layout import Layout, RankEnv
+from fivefold.cost.stack import SoftwareStack, TensorParallelCollectives, eager_ops, tensor_parallel_collectives
+
+NO_TP_COLLECTIVES = TensorParallelCollectives(0, 0, 0, 0, 0, 0)
+
+
+def _host_pass(forward: float, backward: float, recompute: bool) -> PassCost:
+    """Host seconds in series with a pass: forward, input-gradient backward, and the forward again when
+    recomputed."""
+    redo = forward if recompute else 0.0
+    return PassCost(forward, backward, 0.0, redo, 0.0, 0.0, 0.0, 0.0, forward + backward + redo)
+
+
+def with_host_costs(layout: Layout, env: RankEnv, stack: SoftwareStack, costs: tuple) -> tuple:
+    """layer_costs' (layer, embedding, head, activation, transient) plus a per-stage-model PassCost, with
+    the eager stack's measured host costs added when the rank's device has them (module docstring)."""
+    host = env.device.host
+    if host is None or not stack.eager_host_costs:
+        return (*costs, ZERO_PASS)
+    layer, embedding, head, activation, transient = costs
+    ops = eager_ops(layout.model)
+    tensor_parallel = layout.tp > 1
+    op_f = host.dtensor_op_forward if tensor_parallel else host.op_forward
+    op_b = host.dtensor_op_backward if tensor_parallel else host.op_backward
+    # What each DTensor collective costs beyond the collective itself (which cost/layer.py charges).
+    tp = tensor_parallel_collectives(layout.sequence_parallel) if tensor_parallel else NO_TP_COLLECTIVES
+    collective = host.tp_collective
+    wrapped = layout.dp * layout.cp > 1  # FSDP2 / replicate wrap each block and each stage model
+    hooks_f, hooks_b = (host.fsdp_unit_forward, host.fsdp_unit_backward) if wrapped else (0.0, 0.0)
+    recompute = layout.recompute != "none"
+    # The unfused element-wise traffic beyond cost/layer.py's fused kernels: this rank's tokens, its TP shard.
+    tokens = layout.micro_batch * layout.train.seq_len / (layout.cp * layout.tp)
+    per_element = env.device.element_bytes / env.device.bandwidth
+    traffic_f = ops.layer_forward_traffic * tokens * per_element
+    traffic_b = ops.layer_backward_traffic * tokens * per_element
+    traffic = PassCost(traffic_f, traffic_b, 0.0, traffic_f if recompute else 0.0, traffic_f if recompute else 0.0,
+                       0.0, 0.0, 0.0, 0.0)
+    return (layer + traffic + _host_pass(ops.layer_forward * op_f + hooks_f + tp.layer_forward * collective,
+                                         ops.layer_backward * op_b + hooks_b + tp.layer_backward * collective,
+                                         recompute),
+            embedding + _host_pass(ops.embedding_forward * op_f + tp.embedding_forward * collective,
+                                   ops.embedding_backward * op_b + tp.embedding_backward * collective, False),
+            head + _host_pass(ops.head_forward * op_f + tp.head_forward * collective,
+                              ops.head_backward * op_b + tp.head_backward * collective, False),
+            activation, transient,
+            _host_pass(ops.stage_forward * op_f + hooks_f, hooks_b, False))
+
+
+def bookkeeping_time(layout: Layout, topology: Topology, env: RankEnv, pipeline_devices: list[int]) -> float:
+    """The runtime's small collectives of every step (runtime/train.py), each rank waiting for them:
+    the gradient norm's all-reduce and the metrics table's over the world, the loss's over the pipeline
+    and the data-parallel groups."""
+    world = topology.group_link([layout.placement[r] if layout.placement else r for r in range(layout.world_size)])
+    seconds = all_reduce_time(8, world) + all_reduce_time(16 * layout.world_size, world)
+    if layout.pp > 1:
+        seconds += all_reduce_time(4, topology.group_link(pipeline_devices))
+    if layout.dp > 1:
+        seconds += all_reduce_time(4, env.replicas)
+    return seconds
