@@ -116,3 +116,4 @@ def test_estimate_and_plan_show_band_and_extrapolation(capsys) -> None:
     assert main(["plan", *common, "--top", "2", "--dtype", "fp8", "--pp", "2"]) == 0
     out = capsys.readouterr().out
     assert "#1 note: extrapolating:" in out and f"+-{ERROR_BANDS[('torchtitan', 'H100')]:.0%}" in out
+    assert "MFU is of the BF16 peak (GEMMs in FP8)" in out

@@ -107,6 +107,8 @@ def plan_renderables(result: SearchResult, title: str) -> list:
                       f"{e.bubble_fraction:.1%}", _time(e.step_time_s),
                       f"+-{e.error_band:.0%}" if e.error_band is not None else "?")
     out: list = [table]
+    if result.candidates[0].estimate.mfu_basis:
+        out.append(f"MFU is of the {result.candidates[0].estimate.mfu_basis}")
     out.extend(f"#1 note: {line}" for line in result.candidates[0].estimate.notes)
     simulated = [f"#{i} {c.simulated_step_time_s:.3f} s" for i, c in enumerate(result.candidates, 1)
                  if c.simulated_step_time_s is not None]
