@@ -33,9 +33,26 @@ PLANS: dict[str, dict] = {
 RESUMES = {"ep2 -> ep1": ("dp4-ep2", 1, {}), "ep1 -> ep4": ("dp4-ep1", 4, dict(dp=4, ep=4, micro_batch=2))}
 
 
+TRAIN = TrainSpec(seq_len=32, global_batch=8, dtype="fp32")
+
+
 def make_plan(world: int, **fields) -> Plan:
-    return Plan(model=MODEL, cluster=parse_cluster(f"1x{world}xcpu"),
-                train=TrainSpec(seq_len=32, global_batch=8, dtype="fp32"), **fields)
+    return Plan(model=MODEL, cluster=parse_cluster(f"1x{world}xcpu"), train=TRAIN, **fields)
+
+
+def hf_mixtral(folder: Path):
+    """A random MixtralForCausalLM of tiny-moe's shape saved locally; its ModelSpec."""
+    import torch
+    import transformers
+
+    from fivefold.checkpoint.hf import read_hf_config
+
+    config = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+    torch.manual_seed(4)
+    transformers.MixtralForCausalLM(config).save_pretrained(folder)
+    return read_hf_config(folder)[1]
 
 
 def config(folder: Path, name: str, plan: Plan, **fields) -> RunConfig:
@@ -54,6 +71,9 @@ def folder(tmp_path_factory) -> Path:
                      checkpoint_every=SAVED_AT) for name, fields in PLANS.items()]
     world4 += [config(folder, name, make_plan(world, **fields), resume_from=str(step_dir(folder / source, SAVED_AT)))
                for name, (source, world, fields) in RESUMES.items() if world == 4]
+    hf_spec = hf_mixtral(folder / "hf")
+    world4.append(config(folder, "hf:dp4-ep2", Plan(model=hf_spec, cluster=parse_cluster("1x4xcpu"), train=TRAIN,
+                                                     dp=4, ep=2, micro_batch=2), init_from_hf=str(folder / "hf")))
     launch(world4, 4)
     world1 = [config(folder, "reference", make_plan(1))]
     world1 += [config(folder, name, make_plan(world, **fields), resume_from=str(step_dir(folder / source, SAVED_AT)))
@@ -91,3 +111,17 @@ def test_reference_learns_with_aux_loss_and_load_metrics(folder):
     assert reference[0]["aux_loss"] == pytest.approx(0.02, rel=0.1)
     assert all(1.0 <= r["expert_load_max_over_mean"] < 4.0 for r in reference)
     assert len(reference[0]["expert_load_per_layer"]) == 4
+
+
+@pytest.mark.slow
+def test_init_from_hf_under_ep_gives_the_transformers_loss(folder):
+    import torch
+    import transformers
+
+    from fivefold.data import GlobalBatchLoader, load_tokenizer, open_dataset
+
+    batch = GlobalBatchLoader(open_dataset(None, load_tokenizer(None)), 32, 8, seed=0).next_batch()
+    model = transformers.MixtralForCausalLM.from_pretrained(folder / "hf").eval()
+    with torch.no_grad():
+        expected = model(input_ids=batch, labels=batch).loss.item()
+    assert records(folder, "hf:dp4-ep2")[0]["loss"] == pytest.approx(expected, rel=RTOL)

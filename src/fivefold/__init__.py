@@ -5,7 +5,7 @@ __version__ = "0.1.0"
 
 def load_pretrained(path: str, device: str = "cpu"):
     """A ready model (eval mode, fp32) from a fivefold checkpoint (a step folder or a root of them) or a
-    local Hugging Face Llama folder; `model(input_ids)` returns logits [batch, seq, vocab].
+    local Hugging Face Llama, Mixtral or Qwen3-MoE folder; `model(input_ids)` returns logits [batch, seq, vocab].
 
     torch is imported here, not at package import, so planning works without PyTorch.
     """

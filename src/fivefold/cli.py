@@ -200,7 +200,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         out = convert_to_hf(args.to_hf, args.out)
         from fivefold.checkpoint.hf import read_hf_config
 
-        spec, kind = read_hf_config(out)[1], "Hugging Face Llama folder"
+        spec, kind = read_hf_config(out)[1], "Hugging Face folder"
     files = sorted(p.name for p in out.iterdir() if p.is_file())
     if args.json:
         print_json({"out": str(out), "kind": kind, "model": spec.to_dict(), "params": spec.num_params(),
@@ -272,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_json_flag(p)
 
     p = verb("convert", "convert checkpoints to and from Hugging Face format", cmd_convert)
-    p.add_argument("--from-hf", default=None, help="a local Hugging Face Llama folder to import")
+    p.add_argument("--from-hf", default=None, help="a local Hugging Face Llama, Mixtral or Qwen3-MoE folder to import")
     p.add_argument("--to-hf", default=None, help="a fivefold checkpoint to export")
     p.add_argument("--out", required=False, default=None, help="output checkpoint or folder")
     add_json_flag(p)

@@ -120,7 +120,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --checkpoint-dir, under any plan")
     p.add_argument("--init-from-hf", default=None,
-                   help="initial weights from a local Hugging Face Llama folder (its config.json sets the model)")
+                   help="initial weights from a local Hugging Face Llama, Mixtral or Qwen3-MoE folder (its config.json "
+                   "sets the model)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restarts after a worker dies; each resumes from the newest complete checkpoint (default: 0)")
     p.add_argument("--max-loss-spike", type=float, default=3.0, help="skip the update when the loss exceeds "

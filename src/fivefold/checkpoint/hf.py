@@ -1,7 +1,8 @@
-"""Hugging Face Llama checkpoints in and out: config.json + safetensors <-> ModelSpec + fivefold names.
+"""Hugging Face checkpoints in and out: config.json + safetensors <-> ModelSpec + fivefold names.
 
 fivefold's RoPE uses HF's rotate_half convention, so q/k weights map 1:1 with no permutation.
-Only the Llama architecture is read (what LlamaForCausalLM loads with default RoPE); anything else is
+Llama, Mixtral and Qwen3-MoE are read and written (checkpoint/hf_families.py maps their names; the
+experts of a layer are one stacked tensor here, one tensor per expert there); anything else is
 refused with one line naming the file and field.
 """
 
@@ -11,6 +12,8 @@ import json
 import re
 from pathlib import Path
 
+from fivefold.checkpoint.hf_families import (ARCHITECTURES, UNSUPPORTED, family_config, family_of, hf_names,
+                                             spec_fields_of_family)
 from fivefold.errors import SpecError
 from fivefold.spec import ModelSpec
 
@@ -64,55 +67,57 @@ def from_hf_name(name: str) -> str | None:
 
 
 def spec_from_hf_config(config: dict, source: str = CONFIG_FILE) -> ModelSpec:
-    """A ModelSpec from a Llama config.json mapping; `source` names the file in errors."""
-    architectures = config.get("architectures") or ["LlamaForCausalLM"]
-    if config.get("model_type") != "llama" or architectures != ["LlamaForCausalLM"]:
-        shown = config.get("model_type") if config.get("model_type") != "llama" else architectures
-        field = "model_type" if config.get("model_type") != "llama" else "architectures"
-        raise SpecError(f"{source}:{field}", shown, "only Llama checkpoints (model_type llama, "
-                                                    "LlamaForCausalLM) can be imported")
+    """A ModelSpec from a Llama, Mixtral or Qwen3-MoE config.json mapping; `source` names the file in errors."""
+    model_type = config.get("model_type")
+    if model_type in UNSUPPORTED:
+        raise SpecError(f"{source}:model_type", model_type, f"{UNSUPPORTED[model_type]}; supported: "
+                                                            f"{', '.join(ARCHITECTURES)}")
+    if model_type not in ARCHITECTURES:
+        raise SpecError(f"{source}:model_type", model_type, "only Llama checkpoints (model_type llama, "
+                                                            "LlamaForCausalLM), mixtral and qwen3_moe can be imported")
+    architectures = config.get("architectures") or [ARCHITECTURES[model_type]]
+    if architectures != [ARCHITECTURES[model_type]]:
+        raise SpecError(f"{source}:architectures", architectures, f"only {ARCHITECTURES[model_type]} of "
+                                                                  f"model_type {model_type} can be imported")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise SpecError(f"{source}:rope_parameters.rope_type", rope_type, "only default RoPE is supported")
     for flag in ("attention_bias", "mlp_bias"):
         if config.get(flag):
-            raise SpecError(f"{source}:{flag}", config[flag], "Llama without biases only; must be false")
+            raise SpecError(f"{source}:{flag}", config[flag], "models without biases only; must be false")
     if config.get("hidden_act", "silu") != "silu":
         raise SpecError(f"{source}:hidden_act", config["hidden_act"], "SwiGLU needs silu")
     try:
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        head_dim = config.get("head_dim") or hidden // heads
-        if head_dim * heads != hidden:
-            raise SpecError(f"{source}:head_dim", head_dim, f"must equal hidden_size/num_attention_heads="
-                                                            f"{hidden // heads}")
+        extra = {} if model_type == "llama" else spec_fields_of_family(config, model_type, source)
         return ModelSpec(
-            name=str(config.get("_name_or_path") or "hf-llama").split("/")[-1] or "hf-llama",
+            name=str(config.get("_name_or_path") or f"hf-{model_type}").split("/")[-1] or f"hf-{model_type}",
             layers=int(config["num_hidden_layers"]), hidden=hidden, heads=heads,
             kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
             ffn_hidden=int(config["intermediate_size"]), vocab=int(config["vocab_size"]),
             max_seq_len=int(config.get("max_position_embeddings", 4096)),
             rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
             norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            tied_embeddings=bool(config.get("tie_word_embeddings", False)))
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)), **extra)
     except KeyError as missing:
-        raise SpecError(f"{source}:{missing.args[0]}", None, "required field of a Llama config is missing") from None
+        raise SpecError(f"{source}:{missing.args[0]}", None,
+                        f"required field of a {model_type} config is missing") from None
 
 
 def hf_config_from_spec(spec: ModelSpec) -> dict:
-    """config.json content that LlamaForCausalLM.from_pretrained reads as this model."""
-    if spec.mlp != "swiglu" or spec.norm != "rmsnorm" or spec.position != "rope" or spec.is_moe:
-        raise SpecError("model", spec.name, "only Llama-style models (swiglu, rmsnorm, rope, dense) can be "
-                                            "exported to Hugging Face")
+    """config.json content that transformers' from_pretrained reads as this model (Llama, Mixtral or Qwen3-MoE)."""
+    family = family_of(spec)
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": spec.vocab, "hidden_size": spec.hidden, "intermediate_size": spec.ffn_hidden,
         "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads,
         "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_dim, "hidden_act": "silu",
         "max_position_embeddings": spec.max_seq_len, "rms_norm_eps": spec.norm_eps,
         "rope_theta": spec.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
-        "tie_word_embeddings": spec.tied_embeddings, "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": spec.tied_embeddings, "attention_bias": False,
         "torch_dtype": "float32", "bos_token_id": None, "eos_token_id": None,
+        **family_config(spec, family),
     }
 
 
@@ -181,29 +186,45 @@ def _expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def load_hf_state_dict(folder: str | Path, dtype=None) -> tuple[ModelSpec, dict]:
-    """(ModelSpec, state dict in fivefold names) of a local HF Llama folder; every tensor shape is checked
-    against config.json. `dtype` (e.g. torch.float32) converts; None keeps the file's dtype."""
+    """(ModelSpec, state dict in fivefold names) of a local HF Llama/Mixtral/Qwen3-MoE folder; every tensor
+    shape is checked against config.json. `dtype` (e.g. torch.float32) converts; None keeps the file's dtype."""
+    import torch
+
     folder = Path(folder)
     config, spec = read_hf_config(folder)
     expected = _expected_shapes(spec)
+    # HF name -> (fivefold name, expert index or None for a whole tensor)
+    where: dict[str, tuple[str, int | None]] = {}
+    for ours, theirs in hf_names(spec).items():
+        for index, name in enumerate(theirs) if isinstance(theirs, list) else [(None, theirs)]:
+            where[name] = (ours, index)
     state: dict = {}
+    experts: dict[str, dict[int, object]] = {}
     for file, promised in _weight_files(folder).items():
         for hf_name, tensor in _read_safetensors(file, promised).items():
-            name = from_hf_name(hf_name)
-            if name is None:
+            if hf_name not in where:
                 if hf_name.endswith("rotary_emb.inv_freq"):  # recomputed from rope_theta, not a weight
                     continue
-                raise SpecError(f"{file}:{hf_name}", list(tensor.shape), "not a weight of a Llama model")
-            if name not in expected:
+                if _HF_LAYER_RE.match(hf_name) and int(_HF_LAYER_RE.match(hf_name).group(1)) >= spec.layers:
+                    raise SpecError(f"{file}:{hf_name}", list(tensor.shape),
+                                    f"{CONFIG_FILE} declares {spec.layers} layers; this tensor does not fit")
                 raise SpecError(f"{file}:{hf_name}", list(tensor.shape),
-                                f"{CONFIG_FILE} declares {spec.layers} layers; this tensor does not fit")
-            if tuple(tensor.shape) != expected[name]:
-                raise SpecError(f"{file}:{hf_name}", list(tensor.shape),
-                                f"{CONFIG_FILE} implies shape {list(expected[name])}")
-            state[name] = tensor if dtype is None else tensor.to(dtype)
+                                f"not a weight of a {config.get('model_type')} model as {CONFIG_FILE} describes it")
+            name, index = where[hf_name]
+            shape = expected[name] if index is None else expected[name][1:]
+            if tuple(tensor.shape) != shape:
+                raise SpecError(f"{file}:{hf_name}", list(tensor.shape), f"{CONFIG_FILE} implies shape {list(shape)}")
+            tensor = tensor if dtype is None else tensor.to(dtype)
+            if index is None:
+                state[name] = tensor
+            else:
+                experts.setdefault(name, {})[index] = tensor
+    for name, pieces in experts.items():
+        if len(pieces) == spec.experts:
+            state[name] = torch.stack([pieces[e] for e in range(spec.experts)])
     if spec.tied_embeddings and "output.weight" not in state and "tok_embeddings.weight" in state:
         state["output.weight"] = state["tok_embeddings.weight"]
-    missing = [to_hf_name(n) for n in expected if n not in state]
+    missing = [n for n, theirs in where.items() if theirs[0] not in state]
     if missing:
         raise SpecError(str(folder), missing[0], f"weight missing from the safetensors files "
                                                  f"({len(missing)} missing in all)")
@@ -213,12 +234,13 @@ def load_hf_state_dict(folder: str | Path, dtype=None) -> tuple[ModelSpec, dict]
 # --- writing a Hugging Face folder -----------------------------------------------------------------
 
 def save_hf(spec: ModelSpec, state_dict: dict, folder: str | Path) -> Path:
-    """config.json + model.safetensors that LlamaForCausalLM.from_pretrained loads."""
+    """config.json + model.safetensors that transformers' from_pretrained loads (Llama, Mixtral or Qwen3-MoE)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     config = hf_config_from_spec(spec)
     expected = _expected_shapes(spec)
+    names = hf_names(spec)
     tensors = {}
     for name, shape in expected.items():
         if spec.tied_embeddings and name == "output.weight":
@@ -227,7 +249,11 @@ def save_hf(spec: ModelSpec, state_dict: dict, folder: str | Path) -> Path:
         if tensor is None or tuple(tensor.shape) != shape:
             raise SpecError(f"state_dict:{name}", None if tensor is None else list(tensor.shape),
                             f"expected shape {list(shape)} for model {spec.name}")
-        tensors[to_hf_name(name)] = tensor.detach().to("cpu").contiguous()
+        tensor = tensor.detach().to("cpu")
+        if isinstance(names[name], list):  # stacked experts: one tensor per expert
+            tensors.update({theirs: piece.contiguous() for theirs, piece in zip(names[name], tensor.unbind(0))})
+        else:
+            tensors[names[name]] = tensor.contiguous()
     dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values()}
     # "dtype" is the transformers 5 key, "torch_dtype" the one earlier versions read.
     config["dtype"] = config["torch_dtype"] = dtypes.pop() if len(dtypes) == 1 else "float32"
@@ -257,7 +283,7 @@ def convert_from_hf(folder: str | Path, out: str | Path) -> Path:
 
 
 def convert_to_hf(checkpoint: str | Path, out: str | Path) -> Path:
-    """A fivefold checkpoint (folder or root of step folders) -> an HF Llama folder `out`."""
+    """A fivefold checkpoint (folder or root of step folders) -> an HF Llama/Mixtral/Qwen3-MoE folder `out`."""
     from fivefold.checkpoint.layout import load_model_state_dict, read_checkpoint_info, resolve_checkpoint
     from fivefold.models import build_model
 
@@ -265,7 +291,7 @@ def convert_to_hf(checkpoint: str | Path, out: str | Path) -> Path:
     _require_empty(out, "--out")
     path = resolve_checkpoint(checkpoint)
     spec = read_checkpoint_info(path)["model"]
-    hf_config_from_spec(spec)  # refuse non-Llama models before reading any weights
+    hf_config_from_spec(spec)  # refuse models no supported family holds before reading any weights
     model = build_model(spec)
     model.to_empty(device="cpu")
     load_model_state_dict(path, model)
