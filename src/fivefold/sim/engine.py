@@ -219,8 +219,8 @@ def _finish(steps: Sequence[StepInput], replays: list[Replay]) -> SimResult:
     for event in events:
         by_row[event.rank].append(event)
     for mine in by_row:  # stable: events of one rank at one instant keep the order they happened in
-        mine.sort(key=_START_LANE)
-    events = [event for mine in by_row for event in mine]  # by (row, start, lane)
+        mine.sort(key=_START)
+    events = [event for mine in by_row for event in mine]  # by (row, start)
     split = steps[0].schedule in SPLIT_BACKWARD
     ranks = [rank_result(steps[row // pp], row % pp, row, by_row[row], pipeline_time, step_time, split)
              for row in range(len(ready))]
@@ -234,7 +234,7 @@ def _finish(steps: Sequence[StepInput], replays: list[Replay]) -> SimResult:
                      replicas=len(steps))
 
 
-_START_LANE = itemgetter(3, 1)  # Event.start, Event.lane
+_START = itemgetter(3)  # Event.start
 
 
 def _check(step: StepInput) -> None:

@@ -68,6 +68,7 @@ class Replay:
                 if action.kind == self.weight_kind:
                     self.last_weight_action[action.stage] = index
         self.total = sum(len(a) for a in orders)
+        self.gathers = any(t.param_gather > 0 for t in step.stages)
         self.visits = 0
         self.events: list[Event] = []
         # produced[key]: when an input became available (None: not yet); parked[key]: the rank whose next
@@ -112,7 +113,12 @@ class Replay:
         if ready is None:
             self.parked[key] = rank
             return
-        start, end, gather_start = self.timing(rank, action, ready)
+        if self.gathers:
+            start, end, gather_start = self.timing(rank, action, ready)
+        else:  # the common case, inlined: no parameter gathers anywhere
+            free = self.compute_free[rank]
+            start = ready if ready > free else free
+            end, gather_start = start + self.seconds[action.stage][action.kind], -1.0
         heappush(self.queue, (start, rank, end, gather_start))
 
     def publish(self, key: int, time: float) -> None:

@@ -34,28 +34,51 @@ class RankResult:
 def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """Merge overlapping intervals."""
     merged: list[tuple[float, float]] = []
+    low = high = 0.0
     for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        if merged and start <= high:
+            if end > high:
+                high = end
+                merged[-1] = (low, high)
         elif end > start:
-            merged.append((start, end))
+            low, high = start, end
+            merged.append((low, high))
     return merged
 
 
 def rank_result(step: StepInput, rank: int, row: int, mine: list[Event], pipeline_time: float, step_time: float,
                 split: bool) -> RankResult:
     """Busy, communication, idle, bubble and memory of pp rank `rank` from its events (in start order),
-    drawn as row `row` (replica * pp + rank)."""
-    compute_spans = [(e.start, e.end) for e in mine if e.lane == "compute"]
+    drawn as row `row` (replica * pp + rank). One pass over the events: a big plan has thousands per rank."""
+    compute_spans, comm_spans, changes = [], [], []
+    busy = own_pipeline = 0.0
+    releases_activation = BACKWARD_WEIGHT if split else BACKWARD
+    stages = step.stages
+    held: set[int] = set()
+    for _, lane, kind, start, end, stage, _, _ in mine:
+        if lane != "compute":
+            comm_spans.append((start, end))
+            continue
+        compute_spans.append((start, end))
+        busy += end - start
+        if kind in COMPUTE_KINDS:
+            own_pipeline += end - start
+        if stage < 0:
+            continue
+        held.add(stage)
+        # Memory: activations live from the forward's start to the backward's (W's) end.
+        if kind == FORWARD:
+            changes.append((start, stages[stage].activation_bytes))
+        elif kind == releases_activation:
+            changes.append((end, -stages[stage].activation_bytes))
     compute = _merge(compute_spans)
-    comm = _merge([(e.start, e.end) for e in mine if e.lane == "comm"])
-    busy = sum(end - start for start, end in compute_spans)
+    comm = _merge(comm_spans)
     comm_total = sum(end - start for start, end in comm)
     covered = sum(end - start for start, end in _merge(compute + comm))
     exposed = covered - sum(end - start for start, end in compute)
-    own_pipeline = sum(e.end - e.start for e in mine if e.kind in COMPUTE_KINDS)
     label = step.rank_labels[rank] if step.rank_labels else f"pp{rank}"
-    memory = _memory_curve(step, rank, mine, split)
+    base = sum(stages[s].static_bytes for s in sorted(held))
+    memory = _memory_curve(base + (step.rank_base_bytes[rank] if step.rank_base_bytes else 0.0), changes)
     return RankResult(rank=row, label=label, busy_s=busy, comm_s=comm_total, exposed_comm_s=exposed,
                       idle_s=max(0.0, step_time - covered),
                       bubble_fraction=(pipeline_time - own_pipeline) / own_pipeline if own_pipeline else 0.0,
@@ -63,20 +86,8 @@ def rank_result(step: StepInput, rank: int, row: int, mine: list[Event], pipelin
                       comm_spans=comm)
 
 
-def _memory_curve(step: StepInput, rank: int, mine: list[Event], split: bool) -> list[tuple[float, float]]:
-    """(time, bytes) after each change: activations live from forward start to backward (W) end."""
-    stages = sorted({e.stage for e in mine if e.lane == "compute" and e.stage >= 0})
-    base = sum(step.stages[s].static_bytes for s in stages)
-    base += step.rank_base_bytes[rank] if step.rank_base_bytes else 0.0
-    releases_activation = BACKWARD_WEIGHT if split else BACKWARD
-    changes: list[tuple[float, float]] = []
-    for event in mine:
-        if event.lane != "compute" or event.stage < 0:
-            continue
-        if event.kind == FORWARD:
-            changes.append((event.start, step.stages[event.stage].activation_bytes))
-        elif event.kind == releases_activation:
-            changes.append((event.end, -step.stages[event.stage].activation_bytes))
+def _memory_curve(base: float, changes: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(time, bytes) after each change, from `base` and (time, +/- bytes) changes."""
     changes.sort()  # by time; frees (negative) before allocations at the same instant
     curve, level = [(0.0, base)], base
     for time, delta in changes:
