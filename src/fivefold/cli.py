@@ -56,8 +56,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rerank_by_simulation(result, args.simulate_top)
     if args.out:
         result.candidates[0].plan.save(args.out)
+    dryruns: dict[int, dict] = {}
+    if args.dryrun_top > 0:
+        from fivefold.dryrun.report import check_top
+
+        top = [c.plan for c in result.candidates[:args.dryrun_top]]
+        log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+        dryruns = {id(plan): verdict for plan, verdict in zip(top, check_top(top, log=log))}
     if args.json:
-        print_json(plan_json(result, model.name, cluster.label, args.out))
+        report = plan_json(result, model.name, cluster.label, args.out)
+        for entry, candidate in zip(report["candidates"], result.candidates):
+            if id(candidate.plan) in dryruns:
+                entry["dryrun"] = dryruns[id(candidate.plan)]
+        print_json(report)
         return 0
     out = console()
     title = (f"{model.name} on {cluster.label} ({cluster.world_size} GPUs), seq {train.seq_len}, "
@@ -112,6 +123,22 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for renderable in simulate_renderables(result, compared, trace_path, png_path):
         out.print(renderable, soft_wrap=isinstance(renderable, str))
     return 0
+
+
+def cmd_dryrun(args: argparse.Namespace) -> int:
+    from fivefold.dryrun.report import overflow_lines, rank_line, summary_line
+    from fivefold.dryrun.run import dry_run
+
+    plan = plan_from_args(args)
+    show = None if args.json else (lambda one: print(rank_line(one), flush=True))
+    result = dry_run(plan, args.device, on_rank=show)
+    if args.json:
+        print_json(result.to_dict())
+    else:
+        print(summary_line(result))
+    for line in overflow_lines(result):
+        print(f"error: {line}", file=sys.stderr)
+    return 0 if result.fits else 1
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -233,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of device memory kept free (default: 0.1)")
     p.add_argument("--out", default=None, help="write the best plan to this TOML file")
     p.add_argument("--simulate-top", type=int, default=0, help="re-rank the best N by simulation")
+    p.add_argument("--dryrun-top", type=int, default=0, help="dry-run the best N plans (fivefold dryrun)")
     add_stack_flag(p)
     add_json_flag(p)
 
@@ -250,6 +278,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage-time", action="append", default=[], metavar="STAGE=SCALE",
                    help="what-if: scale the compute time of one stage (repeatable), e.g. 0=1.5")
     add_stack_flag(p)
+    add_json_flag(p)
+
+    p = verb("dryrun", "build each kind of rank of a plan with the real runtime on fake tensors and measure its "
+             "peak memory against the estimate (no GPU needed)", cmd_dryrun)
+    add_spec_flags(p)
+    add_layout_flags(p)
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="runtime configuration to build: cuda (bf16 mixed precision) or cpu (default: cuda for GPU "
+                        "clusters, cpu for CPU clusters)")
     add_json_flag(p)
 
     p = verb("train", "run a plan with torch.distributed (gloo on CPU, NCCL on GPU)", cmd_train)

@@ -1,0 +1,1 @@
+"""fivefold dryrun: the real runtime on fake tensors (see docs/dryrun.md)."""
