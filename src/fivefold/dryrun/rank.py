@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fivefold.dryrun.world import fake_world, static_pipeline, value_free
+from fivefold.dryrun.world import fake_world, static_pipeline, swappable_fake_parameters, value_free
 from fivefold.spec import Plan
 
 GIB = 2**30
@@ -122,11 +122,14 @@ def measure_rank(plan: Plan, rank: int, gpu_configuration: bool, seed: int = 0) 
     param_dtype = compute_dtype(plan, torch.device("cuda" if gpu_configuration else "cpu"))
     with fake_world(plan.world_size, rank):
         mesh = build_mesh(plan, device)  # outside FakeTensorMode: DeviceMesh reads its rank table
-        with FakeTensorMode():
-            return _build_and_step(plan, mesh, param_dtype, seed, started)
+        with FakeTensorMode() as mode, swappable_fake_parameters(mode):
+            return build_and_step(plan, mesh, param_dtype, seed, started, fake=True)
 
 
-def _build_and_step(plan: Plan, mesh, param_dtype: torch.dtype | None, seed: int, started: float) -> Accounted:
+def build_and_step(plan: Plan, mesh, param_dtype: torch.dtype | None, seed: int, started: float,
+                   fake: bool) -> Accounted:
+    """Build this rank's models on `mesh` and account one step; `fake=False` is the same on real tensors in
+    a real process group (dryrun/real.py), where the clip reads its norm."""
     from fivefold.runtime.optim import build_optimizer, clip_grad_norm_
     from fivefold.runtime.parallelize import set_gradient_sync
     from fivefold.runtime.pipeline import build_schedule, run_schedule
@@ -153,6 +156,8 @@ def _build_and_step(plan: Plan, mesh, param_dtype: torch.dtype | None, seed: int
         if plan.pp > 1:
             schedule = build_schedule(plan, parts, mesh.group("pp"), device, micro_batches, loss_fn)
             activation_dtype = param_dtype if param_dtype is not None and plan.dp > 1 else torch.float32
+            # Static shapes on real tensors too: the tracker's hooks refuse the autograd.grad call of the
+            # dynamic shape inference, which only runs in a run's first step anyway.
             static_pipeline(schedule, stage_metas(plan, activation_dtype, device))
 
         tracker = _tracker(parts, optimizer, (inputs, targets))
@@ -166,7 +171,10 @@ def _build_and_step(plan: Plan, mesh, param_dtype: torch.dtype | None, seed: int
                                                                 targets.split(plan.micro_batch))):
                         set_gradient_sync(model, plan.zero, last_micro_batch=index == micro_batches - 1)
                         loss_fn(model(mb_in), mb_out).backward()
-            value_free(lambda: clip_grad_norm_(params, 1.0, plan))
+            if fake:
+                value_free(lambda: clip_grad_norm_(params, 1.0, plan))
+            else:
+                clip_grad_norm_(params, 1.0, plan)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         return _peak(tracker, started, micro_batches)

@@ -124,8 +124,10 @@ def dry_run(plan: Plan, device: str | None = None, stack_name: str = "fivefold",
             on_rank: Callable[[RankResult], None] | None = None) -> DryRun:
     """Dry-run every kind of rank of `plan`; raise DryRunBuildError on the first rank that fails."""
     from fivefold.cost import estimate, stack_named
+    from fivefold.runtime.launch import check_runnable
 
     device = device or default_device(plan)
+    check_runnable(plan, plan.world_size, device)  # what `fivefold train` refuses before it starts
     stack = stack_named(stack_name)
     predicted = estimate(plan, stack)
     result = DryRun(plan.describe(), device, plan.world_size, stack.name)

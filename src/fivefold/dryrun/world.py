@@ -71,3 +71,25 @@ def static_pipeline(schedule: Any, metas: dict[int, tuple[tuple[torch.Tensor, ..
             stage._inference_mode = InferenceMode.STATIC
 
     schedule._warmup_p2p = warmup
+
+
+@contextlib.contextmanager
+def swappable_fake_parameters(mode: Any) -> Iterator[None]:
+    """nn.Module.to_empty swaps each fake parameter for a new one (torch.utils.swap_tensors), which refuses
+    tensors with weak references, and FakeTensorMode's converter memo keeps one to every parameter made
+    under it. FSDP2 and TP parameters are DTensors (their local tensors are swapped, not them); a plain model
+    (no dp, no tp) hits it. The memo is only a cache of real-to-fake conversions, none of which the dry
+    run needs, so it is emptied before each swap."""
+    original = torch.utils.swap_tensors
+    converter = mode.fake_tensor_converter.meta_converter
+
+    def swap(first: torch.Tensor, second: torch.Tensor) -> None:
+        converter.tensor_memo.clear()
+        converter.storage_memo.clear()
+        original(first, second)
+
+    torch.utils.swap_tensors = swap
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original
