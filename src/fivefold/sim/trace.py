@@ -28,29 +28,33 @@ def _events_json(events: list[Event]) -> list[str]:
     out = []
     append = out.append
     for rank, lane, kind, start, end, stage, micro_batch, peer in events:
-        if lane == "compute":
-            tid = 0
-        elif peer >= 0:
-            tid = 1 if peer > rank else 2
-        else:
-            tid = 4 if kind == PARAM_GATHER else 3
+        # Whole nanoseconds, so that a bar ending where the next one starts is written ending there.
+        start_ns = int(start * 1e9 + 0.5)
+        ts, dur = start_ns / 1e3, (int(end * 1e9 + 0.5) - start_ns) / 1e3
+        if lane == "compute" and micro_batch >= 0:  # most events: one f-string each
+            append(f'{{"name":"{kind} s{stage} mb{micro_batch}","cat":"compute","ph":"X","pid":{rank},"tid":0,'
+                   f'"ts":{ts:.3f},"dur":{dur:.3f},"args":{{"kind":"{kind}","stage":{stage},'
+                   f'"micro_batch":{micro_batch}}}}}')
+            continue
+        if peer >= 0:  # a send of one micro-batch's activation or gradient
+            append(f'{{"name":"{kind} s{stage} mb{micro_batch}","cat":"comm","ph":"X","pid":{rank},'
+                   f'"tid":{1 if peer > rank else 2},"ts":{ts:.3f},"dur":{dur:.3f},"args":{{"kind":"{kind}",'
+                   f'"stage":{stage},"micro_batch":{micro_batch},"to_rank":{peer}}}}}')
+            continue
+        tid = 0 if lane == "compute" else 4 if kind == PARAM_GATHER else 3
         if micro_batch >= 0:
             name = f"{kind} s{stage} mb{micro_batch}"
             args = f'"kind":"{kind}","stage":{stage},"micro_batch":{micro_batch}'
         else:
             name = EVENT_NAMES.get(kind, kind) + (f" s{stage}" if stage >= 0 else "")
             args = f'"kind":"{kind}"' + (f',"stage":{stage}' if stage >= 0 else "")
-        if peer >= 0:
-            args += f',"to_rank":{peer}'
-        # Whole nanoseconds, so that a bar ending where the next one starts is written ending there.
-        start_ns = int(start * 1e9 + 0.5)
-        append(f'{{"name":"{name}","cat":"{lane}","ph":"X","pid":{rank},"tid":{tid},"ts":{start_ns / 1e3:.3f},'
-               f'"dur":{(int(end * 1e9 + 0.5) - start_ns) / 1e3:.3f},"args":{{{args}}}}}')
+        append(f'{{"name":"{name}","cat":"{lane}","ph":"X","pid":{rank},"tid":{tid},"ts":{ts:.3f},'
+               f'"dur":{dur:.3f},"args":{{{args}}}}}')
     return out
 
 
-def _trace_json(result: SimResult) -> str:
-    """The whole trace as JSON text (events in the order chrome_trace lists them)."""
+def _trace_json(result: SimResult) -> list[str]:
+    """The whole trace as JSON text, in pieces to concatenate (events in the order chrome_trace lists them)."""
     parts: list[str] = []
     for rank in result.ranks:
         parts.append(json.dumps({"ph": "M", "name": "process_name", "pid": rank.rank, "tid": 0,
@@ -63,19 +67,22 @@ def _trace_json(result: SimResult) -> str:
     parts.extend(_events_json(result.events))
     for rank in result.ranks:
         parts.extend(f'{{"name":"memory","ph":"C","pid":{rank.rank},"ts":{time * 1e6:.3f},'
-                     f'"args":{{"GiB":{round(level / GIB, 6)!r}}}}}' for time, level in rank.memory)
+                     f'"args":{{"GiB":{level / GIB:.6f}}}}}' for time, level in rank.memory)
     other = json.dumps({"title": result.title, "step_time_s": result.step_time_s,
                         "bubble_fraction": result.bubble_fraction})
-    return '{"traceEvents":[' + ",\n".join(parts) + '],"displayTimeUnit":"ms","otherData":' + other + "}"
+    # Three pieces, so that a big trace is written without copying its tens of megabytes once more.
+    return ['{"traceEvents":[', ",\n".join(parts), '],"displayTimeUnit":"ms","otherData":' + other + "}"]
 
 
 def chrome_trace(result: SimResult) -> dict:
     """The {"traceEvents": [...]} object of a simulated step."""
-    return json.loads(_trace_json(result))
+    return json.loads("".join(_trace_json(result)))
 
 
 def write_chrome_trace(result: SimResult, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(_trace_json(result))
+    with path.open("w", encoding="utf-8") as handle:
+        for piece in _trace_json(result):
+            handle.write(piece)
     return path
