@@ -73,8 +73,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         old = unpack(args.before, Path(tmp) / "before")
         new = ROOT / "src"
-        rows = [("simulate 1T, 3,072 A100 (PNG + trace)", best_of(1, old, SIMULATE, Path(tmp) / "sim-before"),
-                 best_of(args.runs, new, SIMULATE, Path(tmp) / "sim-after"), 3.0)]
+        rows: list[tuple[str, tuple[float, float] | None, tuple[float, float], float]] = [
+            ("simulate 1T, 3,072 A100 (PNG + trace)", best_of(1, old, SIMULATE, Path(tmp) / "sim-before"),
+             best_of(args.runs, new, SIMULATE, Path(tmp) / "sim-after"), 3.0)]
         plan_before = best_of(1, old, PLAN, None) if args.plan_before else None
         rows.append(("plan --simulate-top 10, same", plan_before, best_of(args.runs, new, PLAN, None), 20.0))
         sizes = {name: (Path(tmp) / "sim-after" / name).stat().st_size for name in ("trace.json", "timeline.png")}

@@ -126,10 +126,11 @@ def _compute_ratios(plan: Plan, stack: Any, replica: int) -> list[tuple[float, f
         own = RankEnv(Device(spec.device, plan.train.dtype, spec.calibration), env.capacity, env.tp, env.cp, env.ep,
                       env.replicas, env.expert_replicas)
         mine, costed = layer_costs(layout, own, stack)[0], layer_costs(layout, env, stack)[0]
-        ratios.append(tuple(a / b if b > 0 else 1.0 for a, b in (
+        forward, backward, weight = (a / b if b > 0 else 1.0 for a, b in (
             (mine.forward, costed.forward),
             (mine.backward_input + mine.recompute, costed.backward_input + costed.recompute),
-            (mine.backward_weight, costed.backward_weight))))
+            (mine.backward_weight, costed.backward_weight)))
+        ratios.append((forward, backward, weight))
     return ratios
 
 

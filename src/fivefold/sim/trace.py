@@ -25,7 +25,7 @@ def _events_json(events: list[Event]) -> list[str]:
     """Complete ("X") events as JSON text, formatted directly: a big plan has hundreds of thousands, so one
     loop and no call per event. Thread as in the module docstring; name "F s3 mb7" for a pass of a
     micro-batch, else the collective's name and its stage."""
-    out = []
+    out: list[str] = []
     append = out.append
     for rank, lane, kind, start, end, stage, micro_batch, peer in events:
         # Whole nanoseconds, so that a bar ending where the next one starts is written ending there.
