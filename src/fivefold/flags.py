@@ -26,6 +26,9 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "fp8"], default=None,
                        help="compute dtype (default: fp32 on cpu clusters, bf16 otherwise); fp8: FP8 GEMMs, "
                             "BF16 elsewhere (H100 and newer)")
+    group.add_argument("--expert-imbalance", type=float, default=1.0,
+                       help="MoE: tokens of the busiest rank's experts over the mean, for the cost model "
+                            "(default: 1, balanced)")
 
 
 def add_layout_flags(parser: argparse.ArgumentParser, for_search: bool = False) -> None:
@@ -85,7 +88,8 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, T
 
     model = parse_model(args.model)
     cluster = parse_cluster(args.cluster)
-    train = TrainSpec(seq_len=args.seq_len, global_batch=args.global_batch, dtype=args.dtype or default_dtype(cluster))
+    train = TrainSpec(seq_len=args.seq_len, global_batch=args.global_batch, dtype=args.dtype or default_dtype(cluster),
+                      expert_imbalance=getattr(args, "expert_imbalance", 1.0))
     return model, cluster, train
 
 

@@ -15,6 +15,7 @@ measured MFU with exactly the numbers the planner predicts with.
 
 from __future__ import annotations
 
+from fivefold.cost.moe import moe_linear_flops_per_token, moe_share
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.train import TrainSpec
 
@@ -33,10 +34,8 @@ def linear_flops_per_token(model: ModelSpec) -> float:
     h, q, kv = model.hidden, model.heads * model.head_dim, model.kv_heads * model.head_dim
     attention = 2 * h * (q + 2 * kv) + 2 * q * h
     matrices = 3 if model.mlp == "swiglu" else 2
-    if model.is_moe:
-        mlp = model.top_k * 2 * matrices * h * model.expert_ffn_hidden + 2 * h * model.experts
-    else:
-        mlp = 2 * matrices * h * model.ffn_hidden
+    share = moe_share(model)  # MoE layers' MLP (cost/moe.py) for their share of the layers, dense for the rest
+    mlp = share * moe_linear_flops_per_token(model) + (1 - share) * 2 * matrices * h * model.ffn_hidden
     return float(attention + mlp)
 
 

@@ -14,10 +14,13 @@ the ring-attention KV exchange of context parallelism, which hides behind the at
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 from fivefold.cost.comm import GroupLink, all_gather_time, all_reduce_time, all_to_all_time, p2p_time
 from fivefold.cost.compute import Device, elementwise_time, flash_attention_time, gemm_time
+from fivefold.cost.moe import all_to_all_bytes, routed_rows, split_by_layer_kind
 from fivefold.cost.stack import SoftwareStack, eager_ops
 from fivefold.spec.model import ModelSpec
 
@@ -139,6 +142,7 @@ class LayerShape:
     ep: int
     sequence_parallel: bool
     recompute: str
+    expert_imbalance: float = 1.0  # busiest rank's expert rows / the mean (TrainSpec.expert_imbalance)
 
 
 def _tp_collectives(work: _Work, num_bytes: float, link: GroupLink, sequence_parallel: bool,
@@ -185,7 +189,14 @@ def _fp8_linear(work: _Work, device: Device, stack: SoftwareStack, tokens: int, 
 
 def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link: GroupLink,
                cp_link: GroupLink, ep_link: GroupLink) -> PassCost:
-    """One transformer block, one micro-batch, one rank."""
+    """One transformer block, one micro-batch, one rank; the average block of a model mixing dense and MoE
+    layers (cost/moe.py)."""
+    mixed = split_by_layer_kind(shape.model)
+    if mixed is not None:
+        moe, dense, share = mixed
+        costs = [layer_cost(dataclasses.replace(shape, model=model), device, stack, tp_link, cp_link, ep_link)
+                 for model in (moe, dense)]
+        return costs[0].scaled(share) + costs[1].scaled(1 - share)
     m, e, t = shape.model, device.element_bytes, shape.tp
     b, s_local = shape.micro_batch, shape.seq_len // shape.cp
     tokens = b * s_local  # tokens of this rank
@@ -256,13 +267,18 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
     matrices_in = 2 if m.mlp == "swiglu" else 1
     if m.is_moe:
         work.gemm(device, tokens, h, m.experts)  # router logits
-        routed = tokens * m.top_k  # token copies processed by experts (balanced routing assumed)
+        # Token copies and the busiest rank's rows per local expert, imbalance included (cost/moe.py).
+        routed, per_expert = routed_rows(tokens, m, shape.ep, shape.expert_imbalance)
         local_experts = m.experts // shape.ep
-        per_expert = max(1, routed * shape.ep // m.experts)
         work.elementwise(device, 4 * routed * h * e, 4 * routed * h * e, 2, 2)  # permute / unpermute
         if ep_link.size > 1:
-            dispatch = all_to_all_time(routed * h * e, ep_link)
+            dispatch = all_to_all_time(all_to_all_bytes(tokens, m, e, shape.expert_imbalance), ep_link)
             work.collective("ep", 2 * dispatch, 2 * dispatch)
+        if m.shared_experts:
+            shared = m.shared_experts * m.expert_ffn_hidden // t
+            _fp8_linear(work, device, stack, tokens, h, matrices_in * shared)
+            _fp8_linear(work, device, stack, tokens, shared, h)
+            work.elementwise(device, tokens * shared * 3 * e, tokens * shared * 5 * e)
         width = m.expert_ffn_hidden // t
         up = _fp8_linear(work, device, stack, per_expert, h, matrices_in * width, batch=local_experts)
         act_rows = routed

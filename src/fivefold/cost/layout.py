@@ -14,6 +14,7 @@ from fivefold.cost.comm import SELF, GroupLink, Topology, all_reduce_time, topol
 from fivefold.cost.compute import Device
 from fivefold.cost.layer import LayerShape, PassCost, embedding_cost, head_cost, layer_cost, padded_vocab
 from fivefold.cost.memory import layer_activation_bytes, layer_transient_bytes
+from fivefold.cost.moe import expert_param_share
 from fivefold.cost.stack import SoftwareStack
 from fivefold.spec.plan import Plan
 
@@ -177,7 +178,7 @@ def _build_rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
 def layer_costs(layout: Layout, env: RankEnv, stack: SoftwareStack):
     """(layer, embedding, head) PassCosts and (activation, transient) bytes of one layer, cached."""
     shape = LayerShape(layout.model, layout.train.seq_len, layout.micro_batch, layout.tp, layout.cp, layout.ep,
-                       layout.sequence_parallel, layout.recompute)
+                       layout.sequence_parallel, layout.recompute, layout.train.expert_imbalance)
     device = env.device
     key = (shape, device.spec.name, device.peak, device.fp8_gemm_peak, device.bandwidth, device.element_bytes,
            device.gemm_curve, stack,
@@ -212,10 +213,8 @@ def stage_params(layout: Layout, layers: int, first: bool, last: bool,
     per_layer = m.params_per_layer()
     expert = 0.0
     if m.is_moe:
-        matrices = 3 if m.mlp == "swiglu" else 2
-        all_experts = m.experts * matrices * m.hidden * m.expert_ffn_hidden
+        per_layer, all_experts = expert_param_share(m)  # an average layer (cost/moe.py)
         expert = layers * all_experts / (layout.ep * t)
-        per_layer -= all_experts
     dense = layers * per_layer / t
     vocab_rows = padded_vocab(m.vocab, t) * m.hidden / t
     if first:

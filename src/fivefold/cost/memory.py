@@ -19,9 +19,11 @@ log-sum-exp), and the unfused path masks a full s x s score tensor, so the windo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from fivefold.cost.layer import LayerShape
+from fivefold.cost.moe import split_by_layer_kind
 
 GIB = 2**30
 
@@ -73,7 +75,7 @@ def layer_activation_bytes(shape: LayerShape, dropout: bool, attention: str, ele
         return e * tokens * h * replicated_share  # the layer input only
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
     mask = 1 if dropout else 0
-    copies = m.top_k if m.is_moe else 1  # each token visits top_k experts
+    copies = m.top_k + m.shared_experts if m.is_moe else 1  # each token visits top_k (+ shared) experts
     # Outside the TP regions: two norm inputs, QKV input, MLP input (per expert copy), two dropout masks.
     replicated = tokens * h * (3 * e + e * copies + 2 * mask)
     # Inside: Q, K, V; attention output (projection input); MLP hidden tensors.

@@ -23,6 +23,7 @@ class TrainSpec:
     dtype: str = "bf16"  # compute dtype: bf16 | fp16 (mixed precision, fp32 master) | fp32 | fp8 (FP8 GEMMs,
     #                       BF16 elsewhere, as TorchTitan's Float8 and Megatron's FP8 recipes)
     optimizer: str = "adamw"  # only AdamW for now
+    expert_imbalance: float = 1.0  # MoE: tokens of the busiest rank's experts / the mean (1 = balanced)
 
     def __post_init__(self) -> None:
         check_count(self.seq_len, "train.seq_len")
@@ -30,6 +31,9 @@ class TrainSpec:
         require(isinstance(self.dtype, str) and self.dtype in DTYPES, "train.dtype", self.dtype, f"use one of {', '.join(DTYPES)}")
         require(isinstance(self.optimizer, str) and self.optimizer in OPTIMIZERS, "train.optimizer", self.optimizer,
                 f"use one of {', '.join(OPTIMIZERS)}")
+        require(isinstance(self.expert_imbalance, (int, float)) and self.expert_imbalance >= 1.0,
+                "train.expert_imbalance", self.expert_imbalance,
+                "must be >= 1 (busiest rank's expert tokens over the mean; 1 = balanced)")
 
     @property
     def tokens_per_step(self) -> int:

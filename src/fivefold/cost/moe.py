@@ -1,0 +1,70 @@
+"""Mixture-of-experts terms of the cost model, kept apart from the dense block (cost/layer.py calls them).
+
+Per MoE layer, per micro-batch, on one rank of an ep group (MoE parallel folding: the ep group is cut
+out of the dp x cp ranks, so each rank routes its own tokens):
+
+- router: a [tokens, hidden] x [hidden, experts] GEMM (fp32 softmax is element-wise and small);
+- permute / unpermute of the top_k token copies (read + write each, forward and backward);
+- dispatch and combine: two all_to_all_single per pass on the slowest link of the ep group, each rank
+  sending its tokens' copies and receiving the copies for its experts;
+- experts: experts/ep local experts as one grouped GEMM over the rows they received;
+- shared experts: a dense MLP of width shared_experts x expert_ffn_hidden on every token.
+
+Load imbalance (TrainSpec.expert_imbalance, tokens of the busiest rank's experts over the mean; 1 =
+balanced, the default): the busiest rank computes and receives that many times the mean rows, and every
+other rank waits for it at the combine, so the layer takes the busiest rank's time. Tutel (Hwang et al.
+2023) and the Least-Loaded EP paper report max/mean loads of 1.2-2 early in training.
+
+Models that mix dense and MoE layers (first_dense_layers, moe_every) are costed as an average block:
+the MoE block's cost for the MoE share of the layers and the dense block's for the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fivefold.spec.model import ModelSpec
+
+
+def moe_share(model: ModelSpec) -> float:
+    """The share of the layers that are MoE layers (0 for a dense model)."""
+    return model.moe_layers / model.layers if model.is_moe else 0.0
+
+
+def split_by_layer_kind(model: ModelSpec) -> tuple[ModelSpec, ModelSpec, float] | None:
+    """(all-MoE variant, all-dense variant, MoE share) of a model that mixes both kinds of layers, else None."""
+    share = moe_share(model)
+    if share in (0.0, 1.0):
+        return None
+    moe = dataclasses.replace(model, first_dense_layers=0, moe_every=1)
+    dense = dataclasses.replace(model, experts=0, top_k=0, shared_experts=0, expert_ffn_hidden=0,
+                                first_dense_layers=0, moe_every=1)
+    return moe, dense, share
+
+
+def moe_linear_flops_per_token(model: ModelSpec) -> float:
+    """Forward FLOPs of one MoE block's matrices for one token: top_k routed + shared experts + router."""
+    matrices = 3 if model.mlp == "swiglu" else 2
+    visited = model.top_k + model.shared_experts
+    return float(visited * 2 * matrices * model.hidden * model.expert_ffn_hidden + 2 * model.hidden * model.experts)
+
+
+def routed_rows(tokens: int, model: ModelSpec, ep: int, imbalance: float) -> tuple[int, int]:
+    """(token copies this rank sends, rows each of its local experts computes on the busiest rank)."""
+    routed = tokens * model.top_k
+    per_expert = max(1, round(routed * ep / model.experts * imbalance))
+    return routed, per_expert
+
+
+def all_to_all_bytes(tokens: int, model: ModelSpec, element_bytes: int, imbalance: float) -> float:
+    """Bytes per rank of one dispatch (or combine): the busiest rank receives imbalance x the mean."""
+    return tokens * model.top_k * model.hidden * element_bytes * imbalance
+
+
+def expert_param_share(model: ModelSpec) -> tuple[float, float]:
+    """(dense, expert) parameters of an average layer: routed experts are split over ep, the router and
+    shared experts are dense (replicated like attention)."""
+    matrices = 3 if model.mlp == "swiglu" else 2
+    experts = model.experts * matrices * model.hidden * model.expert_ffn_hidden * moe_share(model)
+    average = model.layer_params_total() / model.layers
+    return average - experts, experts
