@@ -21,7 +21,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fivefold.dryrun.world import fake_world, static_pipeline, swappable_fake_parameters, value_free
+from fivefold.dryrun.world import (fake_world, meshes_outside_fake, static_pipeline, swappable_fake_parameters,
+                                   value_free)
 from fivefold.spec import Plan
 
 GIB = 2**30
@@ -122,7 +123,7 @@ def measure_rank(plan: Plan, rank: int, gpu_configuration: bool, seed: int = 0) 
     param_dtype = compute_dtype(plan, torch.device("cuda" if gpu_configuration else "cpu"))
     with fake_world(plan.world_size, rank):
         mesh = build_mesh(plan, device)  # outside FakeTensorMode: DeviceMesh reads its rank table
-        with FakeTensorMode() as mode, swappable_fake_parameters(mode):
+        with FakeTensorMode() as mode, swappable_fake_parameters(mode), meshes_outside_fake():
             return build_and_step(plan, mesh, param_dtype, seed, started, fake=True)
 
 

@@ -127,7 +127,8 @@ def dry_run(plan: Plan, device: str | None = None, stack_name: str = "fivefold",
     from fivefold.runtime.launch import check_runnable
 
     device = device or default_device(plan)
-    check_runnable(plan, plan.world_size, device)  # what `fivefold train` refuses before it starts
+    # What `fivefold train` refuses before it starts, less the count of GPUs on this machine (none needed here).
+    check_runnable(plan, plan.world_size, device, gpus=plan.world_size)
     stack = stack_named(stack_name)
     predicted = estimate(plan, stack)
     result = DryRun(plan.describe(), device, plan.world_size, stack.name)

@@ -93,3 +93,31 @@ def swappable_fake_parameters(mode: Any) -> Iterator[None]:
         yield
     finally:
         torch.utils.swap_tensors = original
+
+
+@contextlib.contextmanager
+def meshes_outside_fake() -> Iterator[None]:
+    """DeviceMesh computes its (real) rank tables when the runtime cuts a sub-mesh (mesh["tp"]) or FSDP2
+    joins dp and tp meshes; under FakeTensorMode those tables would meet fake tensors. They are computed
+    with the fake mode set aside."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed._mesh_layout import _MeshLayout
+    from torch.distributed.device_mesh import DeviceMesh
+
+    originals = [(DeviceMesh, "__init__", DeviceMesh.__init__), (DeviceMesh, "__getitem__", DeviceMesh.__getitem__),
+                 (DeviceMesh, "mesh", DeviceMesh.__dict__["mesh"]),
+                 (_MeshLayout, "remap_to_tensor", _MeshLayout.remap_to_tensor)]
+
+    def outside(method: Callable) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with unset_fake_temporarily():
+                return method(*args, **kwargs)
+        return call
+
+    for owner, name, method in originals:
+        setattr(owner, name, property(outside(method.fget)) if isinstance(method, property) else outside(method))
+    try:
+        yield
+    finally:
+        for owner, name, method in originals:
+            setattr(owner, name, method)
