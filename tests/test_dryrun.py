@@ -69,3 +69,22 @@ def test_plan_dryrun_top_checks_the_best_plans(capsys):
     verdict = best["dryrun"]
     assert verdict["builds"] and verdict["fits"]
     assert verdict["ranks"][0]["measured_peak_gib"] * GIB > 0
+
+
+def test_every_matmul_selective_bytes_counts_what_the_runtime_keeps():
+    """Llama 3 8B, one 8192-token sequence, bf16: the block input, Q/K/V (GQA: 1.5 h), the attention output,
+    the wo and w2 outputs and the two SwiGLU input matmuls (2 x 3.5 h) = 12.5 h per token, as the dry run
+    measured (29.26 GiB of activations = 32 layers x 12.5 x 64 MiB + the 4 GiB fp32 log-softmax)."""
+    from fivefold.cost.layer import LayerShape
+    from fivefold.cost.memory import every_matmul_selective_bytes
+
+    model = parse_model("llama3-8b")
+    shape = LayerShape(model=model, micro_batch=1, seq_len=8192, tp=1, cp=1, ep=1, sequence_parallel=False,
+                       recompute="selective")
+    tokens_h = 8192 * 4096 * 2
+    assert every_matmul_selective_bytes(shape, 2) == 12.5 * tokens_h + 8192 * 32 * 4
+    # tp 2 with sequence parallel: sharded matmul outputs, plus the two all-gathered inputs and two
+    # reduce-scattered outputs of the TP collectives (10.25 h per token per rank).
+    shape_tp = LayerShape(model=model, micro_batch=1, seq_len=8192, tp=2, cp=1, ep=1, sequence_parallel=True,
+                          recompute="selective")
+    assert every_matmul_selective_bytes(shape_tp, 2) == 10.25 * tokens_h + 8192 * 16 * 4

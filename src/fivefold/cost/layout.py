@@ -191,7 +191,7 @@ def layer_costs(layout: Layout, env: RankEnv, stack: SoftwareStack):
         cached = (layer_cost(shape, device, stack, env.tp, env.cp, env.ep),
                   embedding_cost(shape, device, stack, env.tp), head_cost(shape, device, stack, env.tp),
                   layer_activation_bytes(shape, dropout, stack.attention, device.element_bytes,
-                                         stack.selective_saves_ops),
+                                         stack.selective_saves_ops, stack.selective_saves_every_matmul),
                   layer_transient_bytes(shape, dropout, stack.attention, device.element_bytes))
         _LAYER_CACHE[key] = cached
     return cached

@@ -43,8 +43,10 @@ def zero_model_state_bytes(num_params: float, dtype: str, zero: int, shard: int,
         optimizer /= shard
     if zero >= 2 and grads_sharded:
         grads /= shard
-    elif zero >= 2 and unsharded_grad_bytes:
-        grads = unsharded_grad_bytes  # whole gradients accumulated in the reduce dtype (FSDP2 without sync)
+    elif unsharded_grad_bytes:
+        # Whole gradients accumulated in the reduce dtype: FSDP2 without sync (ZeRO-2/3 under pp), and at
+        # ZeRO-0/1, whose whole gradients FSDP2 / replicate keep in the fp32 of the master weights.
+        grads = unsharded_grad_bytes
     if zero >= 3:
         weights /= shard
     return num_params * weights, num_params * grads, num_params * optimizer
@@ -62,8 +64,27 @@ def korthikanti_activation_bytes(seq_len: int, micro_batch: int, hidden: int, he
     return s * b * h * (10 + 24 / t + scores / t)
 
 
+def every_matmul_selective_bytes(shape: LayerShape, element_bytes: int) -> float:
+    """Selective recompute that keeps every matmul, attention and TP collective output (fivefold's policy,
+    runtime/parallelize.py _SAVE_OPS) plus the block input: Q, K, V, the attention output and its fp32
+    log-sum-exp, the row-parallel outputs of wo and w2 (whole partial sums before their reduction), the MLP's
+    input matmuls, and with tp > 1 the collectives' outputs (sequence parallel: the all-gathered inputs of
+    attention and MLP and the reduce-scattered outputs; else the all-reduced outputs)."""
+    m, e, t = shape.model, element_bytes, shape.tp
+    tokens = shape.micro_batch * shape.seq_len // shape.cp
+    h, q, kv = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
+    copies = m.top_k if m.is_moe else 1
+    width = m.expert_ffn_hidden if m.is_moe else m.ffn_hidden
+    mlp_inputs = 2 if m.mlp == "swiglu" else 1
+    block_input = h / t if shape.sequence_parallel else h
+    kept = block_input + (q + 2 * kv) / t + q / t + 2 * h + copies * mlp_inputs * width / t
+    if t > 1:
+        kept += 2 * h + 2 * h / t if shape.sequence_parallel else 2 * h
+    return e * tokens * kept + tokens * m.heads / t * 4
+
+
 def layer_activation_bytes(shape: LayerShape, dropout: bool, attention: str, element_bytes: int,
-                           selective_ops: bool = False) -> float:
+                           selective_ops: bool = False, every_matmul: bool = False) -> float:
     """Bytes one layer keeps from forward to backward for one micro-batch on one rank. `selective_ops`:
     selective recompute at op level (TorchTitan): the layer input, every other matmul output and the
     attention output (with its log-sum-exp) are kept, everything else is recomputed."""
@@ -81,6 +102,8 @@ def layer_activation_bytes(shape: LayerShape, dropout: bool, attention: str, ele
     # Inside: Q, K, V; attention output (projection input); MLP hidden tensors.
     width = m.expert_ffn_hidden if m.is_moe else m.ffn_hidden
     mlp_tensors = 3 if m.mlp == "swiglu" else 2
+    if every_matmul and shape.recompute == "selective":
+        return every_matmul_selective_bytes(shape, e)
     if selective_ops and shape.recompute == "selective":
         # QKV, output projection, the MLP's input matmuls (one per SwiGLU branch) and its output matmul.
         matmul_outputs = (q + 2 * kv) / t + h + copies * (mlp_tensors - 1) * width / t + h

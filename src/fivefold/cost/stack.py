@@ -74,6 +74,12 @@ class SoftwareStack:
     #                                        (torch's foreach AdamW: 4, one fp32 list; fused Adam kernels: 0)
     allocator_slack: float = 0.0  # caching-allocator reserve beyond what is allocated (block rounding and
     #                               fragmentation), a share of the activations and working memory that churn
+    selective_saves_every_matmul: bool = False  # op-level selective recompute that keeps every matmul output and
+    #                                            the TP collectives' outputs (fivefold's runtime/parallelize.py)
+    tp_gathers_logits: bool = False  # the LM head's output is all-gathered over tp and the loss runs on the whole
+    #                                  vocabulary on every tp rank (fivefold); False: a vocabulary shard each
+    pipeline_returns_outputs: bool = True  # the schedule is asked for the merged logits (fivefold passes
+    #                                        return_outputs=False, so torch keeps no logits between micro-batches)
     pipeline_keeps_outputs: bool = False  # pp > 1, torch.distributed.pipelining: the schedule keeps every
     #                                      micro-batch's last-stage output (the logits) to return them merged, and
     #                                      each stage holds a receive buffer per micro-batch for its input and for
@@ -124,8 +130,13 @@ STACKS: dict[str, SoftwareStack] = {
     # backward off for every backward and runs REDUCE_GRAD once after the stage's last backward, and
     # the compute stream waits for it. Kernel-launch overhead is the default, not measured here; on a
     # profiled CPU the measured host costs of its eager ops, FSDP2 hooks and AdamW replace it (step.py).
+    # Its memory terms as `fivefold dryrun` measured them (docs/validation.md, dry run): selective recompute
+    # keeps every matmul and collective output; the plain cross-entropy holds the fp32 log-softmax, its
+    # gradient and the input gradient at once (3 copies); no logits kept between micro-batches.
     "fivefold": SoftwareStack(name="fivefold", dropout=False, overlap_tp_backward=False, grad_reduce_bytes=4,
                               pipeline_keeps_outputs=True, optimizer_temporary_bytes=4.0,
+                              selective_saves_ops=True, selective_saves_every_matmul=True, loss_fp32_copies=3,
+                              pipeline_returns_outputs=False, tp_gathers_logits=True,
                               pipeline_defers_grad_sync=True, zero2_reshards_after_backward=True,
                               eager_host_costs=True, features=Features(
                                   built_on="FSDP2, DTensor TP, torch.distributed.pipelining, own CP, eager")),

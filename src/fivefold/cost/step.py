@@ -226,9 +226,10 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
 
     # Memory: a group peaks on its first rank (the one with the most micro-batches in flight).
     copies = stack.loss_fp32_copies + (stack.loss_parallel_fp32_copies if layout.tp > 1 else 0)
-    logits = (4 * copies + e) * tokens * padded_vocab(layout.model.vocab, layout.tp) / layout.tp
-    if stack.pipeline_keeps_outputs and p > 1:  # every micro-batch's logits, kept to be returned merged
-        logits += (m_batches - 1) * e * tokens * padded_vocab(layout.model.vocab, layout.tp) / layout.tp
+    vocab_share = layout.model.vocab if stack.tp_gathers_logits else padded_vocab(layout.model.vocab, layout.tp) / layout.tp
+    logits = (4 * copies + e) * tokens * vocab_share
+    if stack.pipeline_keeps_outputs and stack.pipeline_returns_outputs and p > 1:  # logits kept to be returned
+        logits += (m_batches - 1) * e * tokens * vocab_share
     sync = data_parallel_sync(stack, layout.zero, p)
     # FSDP2 with gradient sync off (pp > 1) accumulates the unsharded gradients in its reduce dtype.
     unsharded_grad_bytes = stack.gradient_bytes(layout.train.dtype) if stack.pipeline_defers_grad_sync else 0
