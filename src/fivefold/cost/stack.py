@@ -84,6 +84,8 @@ class SoftwareStack:
     #                                      micro-batch's last-stage output (the logits) to return them merged, and
     #                                      each stage holds a receive buffer per micro-batch for its input and for
     #                                      its output's gradient, allocated once and kept
+    logits_fp32_output: bool = False  # the model returns its logits upcast to fp32 (TorchTitan's Llama ends in
+    #                                   `self.output(h).float()`): the output torch pipelining keeps is that tensor
     sdpa_flash2: bool = False  # attention through PyTorch SDPA's FlashAttention-2 (slower on Hopper than the
     #                            FA3 / cuDNN kernels Transformer Engine uses)
     loss_parallel_fp32_copies: int = 0  # with tp > 1, extra fp32 logit-sized tensors of DTensor's loss parallel
@@ -151,7 +153,7 @@ STACKS: dict[str, SoftwareStack] = {
                                 pipeline_defers_grad_sync=True, zero2_reshards_after_backward=True,
                                 selective_saves_ops=True, loss_fp32_copies=2, loss_parallel_fp32_copies=1,
                                 pipeline_keeps_outputs=True, optimizer_temporary_bytes=4.0,
-                                sdpa_flash2=True, allocator_slack=0.25,
+                                logits_fp32_output=True, sdpa_flash2=True, allocator_slack=0.25,
                                 features=Features(parallelisms=("dp", "tp", "pp", "cp"), zero_levels=(0, 2, 3),
                                                   schedules=("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"),
                                                   gradient_accumulation=False,

@@ -229,7 +229,7 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
     vocab_share = layout.model.vocab if stack.tp_gathers_logits else padded_vocab(layout.model.vocab, layout.tp) / layout.tp
     logits = (4 * copies + e) * tokens * vocab_share
     if stack.pipeline_keeps_outputs and stack.pipeline_returns_outputs and p > 1:  # logits kept to be returned
-        logits += (m_batches - 1) * e * tokens * vocab_share
+        logits += (m_batches - 1) * kept_output_bytes(stack, e) * tokens * vocab_share
     sync = data_parallel_sync(stack, layout.zero, p)
     # FSDP2 with gradient sync off (pp > 1) accumulates the unsharded gradients in its reduce dtype.
     unsharded_grad_bytes = stack.gradient_bytes(layout.train.dtype) if stack.pipeline_defers_grad_sync else 0
@@ -309,6 +309,14 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
         rank_memory=rank_memory, stage_costs=stages, pipeline_s=pipe.total, bubble_s=pipe.bubble,
         pp_comm_s=pipe.p2p, dp_comm_s=data.total, dp_comm_exposed_s=dp_exposed, optimizer_s=optimizer,
         breakdown_s=breakdown, stack=stack.name)
+
+
+def kept_output_bytes(stack: SoftwareStack, element_bytes: int) -> int:
+    """Bytes per logit of each micro-batch's last-stage output that torch.distributed.pipelining keeps until
+    the step ends (its schedules merge the outputs to return them): the model's output dtype, fp32 where
+    the model upcasts its logits (TorchTitan's Llama, `output = self.output(h).float()`), else the
+    training dtype."""
+    return 4 if stack.logits_fp32_output else element_bytes
 
 
 _SHAPES: dict[tuple, tuple] = {}
