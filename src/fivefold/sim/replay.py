@@ -78,15 +78,14 @@ class Replay:
         self.parked = [-1] * (4 * self.table_size)
         self.queue: list[tuple[float, int, float, float]] = []  # (start, rank, end, gather start) of ready ones
         self.cursor = [0] * step.pp
-        self.link_free: dict[tuple[int, int], float] = {}  # (rank, +1/-1 direction) -> its send link free
+        self.link_free = [0.0] * (2 * step.pp)  # 2 rank + (1 towards higher ranks) -> when that send link is free
+        self.owners = [self.owner[stage] for stage in range(len(step.stages))]
+        self.async_p2p = step.async_p2p
         # Gradient reductions and parameter gathers of a rank share its data-parallel communicator: NCCL runs
         # the collectives of one communicator one after another, in the order they are issued.
         self.collective_free = [0.0] * step.pp
         self.compute_free = [0.0] * step.pp
         self.gathered: set[int] = set()  # stages whose weights are gathered right now
-
-    def key(self, table: int, stage: int, micro_batch: int) -> int:
-        return table * self.table_size + stage * self.step.micro_batches + micro_batch
 
     def input_key(self, action: Action) -> int:
         """What the action waits for; -1 when nothing (the first stage's forwards)."""
@@ -155,58 +154,66 @@ class Replay:
 
     def ship(self, rank: int, target_stage: int, kind: str, micro_batch: int, end: float, seconds: float) -> None:
         """Hand an activation (kind F) or a gradient (kind B) produced at `end` to `target_stage`."""
-        target_rank = self.owner[target_stage]
-        key = self.key(ACTIVATION_IN if kind == FORWARD else GRADIENT_IN, target_stage, micro_batch)
+        target_rank = self.owners[target_stage]
+        key = ((ACTIVATION_IN if kind == FORWARD else GRADIENT_IN) * self.table_size
+               + target_stage * self.step.micro_batches + micro_batch)
         if target_rank == rank:
             self.publish(key, end)
             return
-        direction = 1 if target_rank > rank else -1
-        start = max(end, self.link_free.get((rank, direction), 0.0))
-        self.link_free[rank, direction] = start + seconds
-        if not self.step.async_p2p:  # a blocking send holds the sender until the receiver has it
-            self.compute_free[rank] = max(self.compute_free[rank], start + seconds)
+        link = 2 * rank + (target_rank > rank)  # one send link per rank and direction
+        free = self.link_free[link]
+        start = end if end > free else free
+        arrives = self.link_free[link] = start + seconds
+        if not self.async_p2p:  # a blocking send holds the sender until the receiver has it
+            self.compute_free[rank] = max(self.compute_free[rank], arrives)
         self.events.append(_new_tuple(Event, (self.row + rank, "comm",
                                               SEND_ACTIVATION if kind == FORWARD else SEND_GRADIENT, start,
-                                              start + seconds, target_stage, micro_batch, self.row + target_rank)))
-        self.publish(key, start + seconds)
+                                              arrives, target_stage, micro_batch, self.row + target_rank)))
+        self.publish(key, arrives)
 
     def run(self) -> tuple[list[Event], list[float], list[float]]:
         """Replay every action; (events, compute free, collective free per rank)."""
         step, events, queue, orders, cursor = self.step, self.events, self.queue, self.orders, self.cursor
         stages, last_stage, publish, ship, row = step.stages, self.last_stage, self.publish, self.ship, self.row
+        m, table, compute_free, offer = step.micro_batches, self.table_size, self.compute_free, self.offer
+        sends = [t.send_activation for t in stages]
+        gathering = [t.param_gather > 0 for t in stages]
+        reducing = [t.grad_reduce > 0 for t in stages]
         for rank in range(step.pp):
-            self.offer(rank)
+            offer(rank)
         done = 0
         while queue:
             start, rank, end, gather_start = heappop(queue)
             index = cursor[rank]
             action = orders[rank][index]
             kind, stage, micro_batch = action
-            times = stages[stage]
-            if gather_start >= 0:
-                gather_end = gather_start + self.gather_before(action)
-                self.collective_free[rank] = gather_end
-                events.append(Event(row + rank, "comm", PARAM_GATHER, gather_start, gather_end, stage, micro_batch))
-            if times.param_gather > 0 and kind != BACKWARD_WEIGHT:
-                frees = times.reshard_after_forward if kind == FORWARD else times.reshard_after_backward
-                (self.gathered.discard if frees else self.gathered.add)(stage)
-            self.compute_free[rank] = end
+            if gathering[stage]:
+                times = stages[stage]
+                if gather_start >= 0:
+                    gather_end = gather_start + self.gather_before(action)
+                    self.collective_free[rank] = gather_end
+                    events.append(Event(row + rank, "comm", PARAM_GATHER, gather_start, gather_end, stage,
+                                        micro_batch))
+                if kind != BACKWARD_WEIGHT:
+                    frees = times.reshard_after_forward if kind == FORWARD else times.reshard_after_backward
+                    (self.gathered.discard if frees else self.gathered.add)(stage)
+            compute_free[rank] = end
             cursor[rank] = index + 1
             done += 1
             events.append(_new_tuple(Event, (row + rank, "compute", kind, start, end, stage, micro_batch, -1)))
             if kind == FORWARD:
                 if stage < last_stage:
-                    ship(rank, stage + 1, FORWARD, micro_batch, end, times.send_activation)
+                    ship(rank, stage + 1, FORWARD, micro_batch, end, sends[stage])
                 else:
-                    publish(self.key(FORWARD_DONE, stage, micro_batch), end)
+                    publish(FORWARD_DONE * table + stage * m + micro_batch, end)
             elif kind == BACKWARD_INPUT:
-                publish(self.key(INPUT_DONE, stage, micro_batch), end)
+                publish(INPUT_DONE * table + stage * m + micro_batch, end)
             if (kind == BACKWARD or kind == BACKWARD_INPUT) and stage > 0:
-                ship(rank, stage - 1, BACKWARD, micro_batch, end, stages[stage - 1].send_activation)
-            if times.grad_reduce > 0 and ((times.reduce_every_micro_batch and kind == self.weight_kind)
-                                          or self.last_weight_action.get(stage) == index):
+                ship(rank, stage - 1, BACKWARD, micro_batch, end, sends[stage - 1])
+            if reducing[stage] and ((stages[stage].reduce_every_micro_batch and kind == self.weight_kind)
+                                    or self.last_weight_action.get(stage) == index):
                 self.reduce(rank, action, start, end)
-            self.offer(rank)
+            offer(rank)
         self.visits += done
         if done < self.total:
             stuck = [str(self.orders[r][self.cursor[r]]) for r in range(step.pp)
