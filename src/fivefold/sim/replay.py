@@ -9,7 +9,7 @@ caller agreed on (sim/engine.simulate_replicas).
 from __future__ import annotations
 
 from heapq import heappop, heappush
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from fivefold.sim.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SPLIT_BACKWARD, Action, stage_owners
 
@@ -48,7 +48,7 @@ ACTIVATION_IN, GRADIENT_IN, FORWARD_DONE, INPUT_DONE = range(4)
 class Replay:
     """The event loop over one pipeline's action orders (module docstring, "How it runs")."""
 
-    def __init__(self, step: StepInput, orders: list[list[Action]],
+    def __init__(self, step: StepInput, orders: Sequence[Sequence[Action]],
                  joint: dict[tuple[int, int, int], tuple[float, float]] | None = None, row: int = 0) -> None:
         self.step, self.orders = step, orders
         self.row = row  # events of pp rank r are drawn on row + r
