@@ -1,22 +1,18 @@
 """Hung peers: every collective gets a timeout, and a timed-out collective ends the worker with one line.
 
 `--collective-timeout S` becomes the timeout of the default process group AND of every group created
-after it (the DeviceMesh's dp/pp/tp groups, the checkpoint group): torch's new_group without a timeout
-uses the module default `default_pg_timeout` (30 min; 10 min for NCCL) rather than the world group's,
-so that default is set too. With gloo a recv that waits longer raises "Timed out waiting ... ms";
-with NCCL the watchdog aborts the communicator after the timeout. The
-process group's store is made per restart (attempt_store) so a restarted incarnation never reads the
-dead one's keys.
+after it (runtime/mesh.init_distributed sets it, with a store per restart so a restarted incarnation never
+reads the dead one's keys). With gloo a recv that waits longer raises "Timed out waiting ... ms"; with NCCL
+the watchdog aborts the communicator after the timeout. Here: which exceptions are such timeouts, and the
+one line that names the step and the rank.
 
 Test-only knob: FIVEFOLD_HANG_AT="RANK:STEP" makes that rank stop participating (sleep forever) at the
-start of STEP, in the first incarnation only (a restarted run does not hang again).
+start of STEP, in the first incarnation only (a restarted run does not hang again); runtime/knobs.py applies it.
 """
 
 from __future__ import annotations
 
 import os
-import time
-from datetime import timedelta
 
 from fivefold.errors import SpecError
 
@@ -39,47 +35,10 @@ def hang_point(text: str | None = None) -> tuple[int, int] | None:
     return point
 
 
-def init_distributed_with_timeout(device, seconds: float) -> None:
-    """Join this launch's process group with `seconds` as the timeout of every collective."""
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
-    if dist.is_initialized():
-        return
-    timeout = timedelta(seconds=seconds)
-    c10d.default_pg_timeout = timeout  # read by new_group when no timeout is given (see module docstring)
-    if hasattr(c10d, "default_pg_nccl_timeout"):
-        c10d.default_pg_nccl_timeout = timeout
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None, timeout=timeout,
-                            **attempt_store(timeout))
-
-
-def attempt_store(timeout: timedelta) -> dict:
-    """Under torch's elastic agent, a store whose keys are this restart's own: the agent's TCPStore
-    outlives a restart, and the groups created after the default one (DeviceMesh dims, the checkpoint
-    group) are keyed by names that repeat in every incarnation, so a restarted worker would read the dead
-    incarnation's addresses and fail with "Connection refused" (found on torch 2.13, 2 CPU ranks)."""
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "MASTER_ADDR" not in os.environ:
-        return {}  # a plain env:// launch
-    from torch.distributed import PrefixStore, TCPStore
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
-                     is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=not agent_store)
-    return {"store": PrefixStore(f"/fivefold/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store),
-            "rank": rank, "world_size": world}
-
-
-def step_started(step: int, rank: int, restart: int) -> None:
-    """Note the step for the error line; the hang knob stops here."""
+def note_step(step: int) -> None:
+    """The step this process is in, for a timeout's error line."""
     global current_step
     current_step = step
-    point = hang_point()
-    if point is not None and restart == 0 and point == (rank, step):
-        while True:
-            time.sleep(3600)
 
 
 def is_collective_timeout(exc: BaseException) -> bool:

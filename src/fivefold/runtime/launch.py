@@ -164,10 +164,12 @@ def worker_entry(configs: list[RunConfig]) -> list[dict]:
     configs amortise process start-up, e.g. for the parity tests); rank 0 returns their summaries."""
     import torch.distributed as dist
 
+    from fivefold.runtime.knobs import FaultKnobs
     from fivefold.runtime.train import train
 
     try:
-        return [train(config) for config in configs]
+        knobs = FaultKnobs.from_env()  # test-only fault knobs (knobs.py); none set in a real run
+        return [train(config, knobs) for config in configs]
     except BaseException as exc:  # noqa: BLE001 - recorded for the recovery report, then re-raised
         from fivefold.elastic.events import EventLog, global_rank
         from fivefold.elastic.hang import is_collective_timeout, timeout_message
@@ -258,9 +260,10 @@ def run_torchrun_worker(config: RunConfig) -> dict | None:
     """Train this rank inside a world torchrun started; rank 0 returns the summary."""
     import torch.distributed as dist
 
+    from fivefold.runtime.knobs import FaultKnobs
     from fivefold.runtime.train import train
 
-    summary = train(config)
+    summary = train(config, FaultKnobs.from_env())
     if dist.is_initialized():
         dist.destroy_process_group()
     return summary

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -53,12 +54,42 @@ def pick_device(kind: str, plan: Plan) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device) -> None:
-    """Join the process group of this launch (env:// from torchrun or the elastic launcher) once."""
+def init_distributed(device: torch.device, timeout_s: float | None = None) -> None:
+    """Join the process group of this launch (env:// from torchrun or the elastic launcher) once; the one
+    place a worker's process group starts. With `timeout_s` (--collective-timeout) every collective waits at
+    most that long for a peer, on the default group AND on every group created after it (the DeviceMesh's
+    dims, the checkpoint group): torch's new_group without a timeout uses the module default
+    `default_pg_timeout` (30 min; 10 min for NCCL) rather than the world group's, so that default is set too."""
     if dist.is_initialized():
         return
+    options: dict = {}
+    if timeout_s is not None:
+        import torch.distributed.distributed_c10d as c10d
+
+        timeout = timedelta(seconds=timeout_s)
+        c10d.default_pg_timeout = timeout
+        if hasattr(c10d, "default_pg_nccl_timeout"):
+            c10d.default_pg_nccl_timeout = timeout
+        options = {"timeout": timeout, **attempt_store(timeout)}
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None, **options)
+
+
+def attempt_store(timeout: timedelta) -> dict:
+    """Under torch's elastic agent, a store whose keys are this restart's own: the agent's TCPStore
+    outlives a restart, and the groups created after the default one (DeviceMesh dims, the checkpoint
+    group) are keyed by names that repeat in every incarnation, so a restarted worker would read the dead
+    incarnation's addresses and fail with "Connection refused" (found on torch 2.13, 2 CPU ranks)."""
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "MASTER_ADDR" not in os.environ:
+        return {}  # a plain env:// launch
+    from torch.distributed import PrefixStore, TCPStore
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+                     is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=not agent_store)
+    return {"store": PrefixStore(f"/fivefold/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store),
+            "rank": rank, "world_size": world}
 
 
 def build_mesh(plan: Plan, device: torch.device) -> Mesh:

@@ -111,3 +111,58 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+class StepMeter:
+    """Times one step and builds its metrics record: loss, throughput, MFU, the busiest rank's memory, and the
+    per-rank lists `fivefold report` and the straggler watch read (one gather over the ranks per step)."""
+
+    def __init__(self, plan: Plan, device: torch.device, rank: int, compute_dtype: str, first_step: int) -> None:
+        from fivefold.cost.flops import model_flops_per_step
+
+        self.plan, self.device, self.rank, self.first_step = plan, device, rank, first_step
+        self.flops_per_step = model_flops_per_step(plan.model, plan.train)
+        # MFU = model FLOPs per step / (step time x summed peak FLOP/s of the dtype actually computed in).
+        self.total_peak_flops = peak_flops(plan, compute_dtype)
+        self.tokens = first_step * plan.train.tokens_per_step
+        self.started = 0.0
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def finish(self, step: int, loss: float, grad_norm: float, lr: float, skipped: bool, forward_s: float,
+               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The record of `step` (1-based), once this rank's optimizer step is done."""
+        own_step_time = seconds_since(self.started, self.device)  # this rank's step, before the gather below
+        memory_per_rank, time_per_rank, forward_per_rank = zip(*gather_from_ranks(
+            [peak_memory_gib(self.device), own_step_time, forward_s], self.device, self.rank))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        step_time = time.perf_counter() - self.started
+        tokens_per_step = self.plan.train.tokens_per_step
+        self.tokens += tokens_per_step
+        return {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": self.tokens,
+                "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
+                "mfu": self.flops_per_step / (step_time * self.total_peak_flops),
+                "peak_memory_gib": max(memory_per_rank),  # the busiest rank's memory is the one that must fit
+                "peak_memory_gib_per_rank": list(memory_per_rank), "step_time_s_per_rank": list(time_per_rank),
+                "first_step": self.first_step + 1, "forward_time_s_per_rank": list(forward_per_rank),
+                "skipped": skipped, "wall_time": time.time(), **(extra or {})}
+
+
+def summarize(plan: Plan, device: torch.device, history: list[dict], metrics_file: str | None) -> dict:
+    """Rank 0's account of the run; step times leave out the first step (warm-up, lazy init)."""
+    timed = history[1:] or history
+    mean_time = sum(r["step_time_s"] for r in timed) / max(1, len(timed))
+    return {
+        "plan": plan.describe(), "world_size": plan.world_size, "device": device.type, "steps": len(history),
+        "losses": [r["loss"] for r in history], "grad_norms": [r["grad_norm"] for r in history],
+        "final_loss": history[-1]["loss"] if history else None,
+        "mean_step_time_s": mean_time,
+        "tokens_per_s": plan.train.tokens_per_step / mean_time if mean_time else 0.0,
+        "mfu": sum(r["mfu"] for r in timed) / max(1, len(timed)),
+        "peak_memory_gib": max((r["peak_memory_gib"] for r in history), default=0.0),
+        "metrics_file": metrics_file,
+    }
