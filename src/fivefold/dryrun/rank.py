@@ -47,6 +47,7 @@ class Accounted:
     kinds: dict[str, float]
     seconds: float  # wall time of build + step
     micro_batches: int  # micro-batches this rank ran
+    cpu_seconds: float = 0.0  # CPU time of build + step (what a busy shared machine does not stretch)
 
 
 def stage_metas(plan: Plan, activation_dtype: torch.dtype, device: torch.device) -> dict:
@@ -107,7 +108,8 @@ def _peak(tracker, started: float, micro_batches: int) -> Accounted:
     parts = {name: 0.0 for name in ("params", "grads", "optimizer", "activations", "transient")}
     for kind, value in kinds.items():
         parts[PARTS.get(kind, "transient")] += value
-    return Accounted(float(by_device["Total"]), parts, kinds, time.perf_counter() - started, micro_batches)
+    return Accounted(float(by_device["Total"]), parts, kinds, time.perf_counter() - started, micro_batches,
+                     time.process_time())
 
 
 def measure_rank(plan: Plan, rank: int, gpu_configuration: bool, seed: int = 0) -> Accounted:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from fivefold.errors import FivefoldError
+from fivefold.errors import FivefoldError, SpecError
 from fivefold.spec import Plan
 
 GIB = 2**30
@@ -48,6 +48,7 @@ class RankResult:
     capacity: float  # the device's memory, bytes
     micro_batches: int  # micro-batches the rank ran in its step
     seconds: float  # wall time of its build and step
+    cpu_seconds: float = 0.0  # CPU time of its worker process (imports, build, step)
 
     @property
     def error(self) -> float:
@@ -72,7 +73,7 @@ class RankResult:
                 "tracker_gib": gib(self.kinds), "reserved_gib": round(self.reserved / GIB, 4),
                 "capacity_gib": round(self.capacity / GIB, 4), "overflow_gib": round(self.overflow / GIB, 4),
                 "fits": self.overflow <= 0, "micro_batches": self.micro_batches,
-                "seconds": round(self.seconds, 2)}
+                "seconds": round(self.seconds, 2), "cpu_seconds": round(self.cpu_seconds, 2)}
 
 
 @dataclass
@@ -129,6 +130,9 @@ def dry_run(plan: Plan, device: str | None = None, stack_name: str = "fivefold",
     device = device or default_device(plan)
     # What `fivefold train` refuses before it starts, less the count of GPUs on this machine (none needed here).
     check_runnable(plan, plan.world_size, device, gpus=plan.world_size)
+    if plan.model.is_moe:
+        raise SpecError("model.experts", plan.model.experts, "the dry run cannot step MoE layers: how many tokens "
+                        "each expert gets depends on the token values, which fake tensors do not have")
     stack = stack_named(stack_name)
     predicted = estimate(plan, stack)
     result = DryRun(plan.describe(), device, plan.world_size, stack.name)
@@ -148,7 +152,8 @@ def dry_run(plan: Plan, device: str | None = None, stack_name: str = "fivefold",
         one = RankResult(rank=rank, pp_stage=pp_rank, stages=stages, holds=holds,
                          measured={"peak": answer["peak"], **answer["parts"]}, kinds=answer["kinds"],
                          estimated=estimated, reserved=memory.reserved, capacity=capacity,
-                         micro_batches=answer["micro_batches"], seconds=answer["seconds"])
+                         micro_batches=answer["micro_batches"], seconds=answer["seconds"],
+                         cpu_seconds=answer.get("cpu_seconds", 0.0))
         result.ranks.append(one)
         if on_rank is not None:
             on_rank(one)

@@ -35,7 +35,8 @@ def main() -> int:
         json.dump({"error": f"{type(exc).__name__}: {detail}"}, sys.stdout)
         return 0
     json.dump({"peak": accounted.peak, "parts": accounted.parts, "kinds": accounted.kinds,
-               "seconds": accounted.seconds, "micro_batches": accounted.micro_batches}, sys.stdout)
+               "seconds": accounted.seconds, "micro_batches": accounted.micro_batches,
+               "cpu_seconds": accounted.cpu_seconds}, sys.stdout)
     return 0
 
 
