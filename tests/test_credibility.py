@@ -62,6 +62,9 @@ CASES = [
     ("megatron-lm-2022", _gpt(40, 6144, 48, 2048), "32x8xA100-80GB", 2048, 1024, "fp16"),
     ("megatron-lm-2022", _gpt(48, 8192, 64, 2048), "64x8xA100-80GB", 2048, 1536, "fp16"),
     ("megatron-lm-2022", _gpt(62, 6144, 48, 1024), "4x8xA100-80GB", 1024, 256, "bf16"),
+    # Issue 17's GPT-3 175B (batch 1536 as in Narayanan et al. 2021), in the default dtype, on 256 and 1536 A100.
+    ("megatron-lm-2022", PRESETS["gpt3-175b"], "32x8xA100-80GB", 2048, 1536, "bf16"),
+    ("megatron-lm-2022", PRESETS["gpt3-175b"], "192x8xA100-80GB", 2048, 1536, "bf16"),
     ("megatron-core", _mcore(24, 2048, 16), "6x8xH100-SXM", 4096, 192, "bf16"),
     ("megatron-core", _mcore(48, 7168, 56), "48x8xH100-SXM", 4096, 192, "bf16"),
     ("megatron-core", _mcore(96, 16384, 128), "384x8xH100-SXM", 4096, 1536, "bf16"),
