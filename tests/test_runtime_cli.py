@@ -39,10 +39,11 @@ def no_launch(monkeypatch):
     (["--cluster", "1x2xcpu", "--pp", "2", "--layers-per-stage", "1,2"],
      "error: plan.layers_per_stage=[1, 2]: sums to 3 but model.layers=4"),
     (["--cluster", "1x4xcpu", "--nproc", "2"],
-     "error: --nproc=2: the plan needs dp*tp*pp*cp = 4 processes (dp4 tp1 pp1 mb1x2 zero0 rc=none); "
-     "give --nproc 4, or a layout for 2 (e.g. --cluster 1x2xcpu)"),
+     "error: --nproc=2: the plan needs dp*tp*pp*cp = 4 processes on 1x4xcpu (dp4 tp1 pp1 mb1x2 zero0 rc=none), "
+     "not 2; give --nproc 4, or --cluster 1x2xcpu --dp 2 for 2 CPU workers"),
     (["--cluster", "1x2xcpu", "--dp", "1", "--tp", "1"],
-     "error: plan.dp*tp*pp*cp=1: degrees must multiply to the cluster's 2 devices (dp=1 tp=1 pp=1 cp=1)"),
+     "error: plan.dp*tp*pp*cp=1: degrees must multiply to the cluster's 2 devices (dp=1 tp=1 pp=1 cp=1); "
+     "e.g. dp=2"),
 ])
 def test_bad_plan_stops_with_one_line(no_launch, capsys, argv, message):
     assert main(["train", "--device", "cpu", *argv]) == 2
@@ -63,7 +64,7 @@ def test_bad_plan_file_stops_with_one_line(no_launch, capsys, tmp_path):
     bad.write_text(good.read_text().replace("dp = 2", "dp = 3"))
     assert main(["train", "--plan", str(bad), "--device", "cpu"]) == 2
     assert capsys.readouterr().err.strip() == ("error: plan.dp*tp*pp*cp=3: degrees must multiply to the "
-                                               "cluster's 2 devices (dp=3 tp=1 pp=1 cp=1)")
+                                               "cluster's 2 devices (dp=3 tp=1 pp=1 cp=1); e.g. dp=2")
 
 
 @pytest.mark.slow
@@ -116,16 +117,15 @@ def test_printed_torchrun_command_runs(tmp_path):
 
 @pytest.mark.slow
 def test_worker_failure_is_one_line_exit_1(tmp_path):
-    tokens = tmp_path / "tokens.npy"
-    import numpy as np
-
-    np.save(tokens, np.full(1000, 300, dtype=np.uint16))  # ids beyond the tiny model's 256-token vocabulary
+    # Token ids beyond the vocabulary are now refused before launch (tests/test_bad_inputs.py); a fault only a
+    # worker meets: the loss-injection knob, malformed, raises inside the worker.
+    env = {**os.environ, "FIVEFOLD_INJECT_LOSS": "bogus"}
     result = subprocess.run(
-        [*FIVEFOLD, "train", "--cluster", "1x1xcpu", "--seq-len", "32", "--steps", "1", "--device", "cpu",
-         "--data", str(tokens)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        [*FIVEFOLD, "train", "--cluster", "1x1xcpu", "--seq-len", "32", "--steps", "1", "--device", "cpu"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: worker rank 0 failed (exit code 1): IndexError: index out of range")
+    assert last.startswith("error: worker rank 0 failed (exit code 1): SpecError: FIVEFOLD_INJECT_LOSS='bogus'")
     assert last.endswith("(FIVEFOLD_DEBUG=1 shows the traceback)")
 
 

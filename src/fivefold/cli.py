@@ -11,7 +11,10 @@ import json
 import sys
 from typing import Any, Callable
 
+from fivefold.cliparse import OneLineParser, print_json_error, wants_json
 from fivefold.errors import FivefoldError, SpecError
+from fivefold.interrupt import Interrupted, sigterm_raises
+from fivefold.outputs import check_output_dir, check_output_file, make_dir, make_parents
 from fivefold.flags import (REPLAN_KEEPS, add_json_flag, add_layout_flags, add_run_flags, add_spec_flags,
                             add_stack_flag, layout_from_args, plan_from_args, specs_from_args)
 
@@ -47,6 +50,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from fivefold.planner.rerank import rerank_by_simulation
 
     model, cluster, train = specs_from_args(args)
+    if args.out:  # before the search: a bad path must not cost a search first
+        check_output_file(args.out, "--out")
+    if args.simulate_top < 0:
+        raise SpecError("--simulate-top", args.simulate_top, "must be 0 (off) or a positive count")
 
     def progress(done: int, total: int, seconds: float) -> None:
         print(f"searching: {done}/{total} degree splits in {seconds:.1f} s", file=sys.stderr, flush=True)
@@ -55,7 +62,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     stack=stack_named(args.stack), progress=progress)
     rerank_by_simulation(result, args.simulate_top)
     if args.out:
-        result.candidates[0].plan.save(args.out)
+        result.candidates[0].plan.save(make_parents(args.out, "--out"))
     dryruns: dict[int, dict] = {}
     if args.dryrun_top > 0:
         from fivefold.dryrun.report import check_top
@@ -106,10 +113,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fivefold.sim import parse_stage_times, simulate_plan, write_chrome_trace, write_timeline_png
 
     plan = plan_from_args(args)
+    check_output_dir(args.out_dir, "--out-dir")
     stage_scale = parse_stage_times(args.stage_time, plan.num_stages)
     estimate = estimate_plan(plan, stack_named(args.stack))
     result = simulate_plan(plan, stage_scale, estimate=estimate)
-    out_dir = Path(args.out_dir)
+    out_dir = make_dir(args.out_dir, "--out-dir")
     trace_path = write_chrome_trace(result, out_dir / "trace.json")
     png_path = write_timeline_png(result, out_dir / "timeline.png")
     if args.json:
@@ -184,10 +192,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise SpecError("--nproc", args.nproc, "must be at least 1 (2 or more also measures collectives)")
+    check_output_file(args.out, "--out")  # before measuring, not after
     from fivefold.profile.render import profile_renderables, profile_with_progress
+    from fivefold.runtime.launch import check_local_workers
+
+    check_local_workers(args.nproc, "--nproc")
 
     profile = profile_with_progress(args.nproc, args.quick, show=not args.json)
-    profile.save(args.out)
+    profile.save(make_parents(args.out, "--out"))
     if args.json:
         print_json({**profile.to_dict(), "out": args.out})
         return 0
@@ -220,6 +232,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from fivefold.checkpoint.hf import convert_from_hf, convert_to_hf
     from fivefold.checkpoint.layout import read_checkpoint_info
 
+    check_output_dir(args.out, "--out")
+
     if args.from_hf:
         out = convert_from_hf(args.from_hf, args.out)
         spec, kind = read_checkpoint_info(out)["model"], "fivefold checkpoint"
@@ -239,7 +253,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fivefold",
         description="Plan, predict and run hybrid-parallel transformer training (dp x tp x pp x cp x ep).")
     from fivefold import __version__
@@ -317,18 +331,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.handler(args) or 0)
-    except NotBuilt as exc:
-        print(f"not built: {exc}", file=sys.stderr)
-        return EXIT_NOT_BUILT
-    except FivefoldError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    json_errors = wants_json(argv)  # known even when the command line itself cannot be parsed
+    with sigterm_raises():
+        try:
+            args = build_parser().parse_args(argv)
+            return int(args.handler(args) or 0)
+        except NotBuilt as exc:
+            print(f"not built: {exc}", file=sys.stderr)
+            return EXIT_NOT_BUILT
+        except FivefoldError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            if json_errors:
+                print_json_error(exc, EXIT_BAD_INPUT)
+            return EXIT_BAD_INPUT
+        except Interrupted as exc:  # SIGTERM, or a signal that stopped the workers of `train`
+            print(exc.line, file=sys.stderr)
+            return exc.exit_code
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("what and where")
     group.add_argument("--model", default="tiny", help="preset name, TOML file, or inline "
                        "layers=..,hidden=..,heads=..,vocab=..[,mlp=gelu] (default: tiny)")
-    group.add_argument("--cluster", default="1x4xcpu",
+    group.add_argument("--cluster", default=None,
                        help="NODESxGPUSxDEVICE[:nvlink=..,nic=..] groups joined by '+', or a TOML file "
-                            "(default: 1x4xcpu)")
+                            "(default: 1xNxcpu, N = --nproc or the degrees given, else 4)")
     group.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: 128)")
     group.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step (default: 8)")
     group.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "fp8"], default=None,
@@ -87,10 +87,34 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, T
     from fivefold.spec import TrainSpec, default_dtype, parse_cluster, parse_model
 
     model = parse_model(args.model)
-    cluster = parse_cluster(args.cluster)
+    cluster = parse_cluster(args.cluster or default_cluster(args))
     train = TrainSpec(seq_len=args.seq_len, global_batch=args.global_batch, dtype=args.dtype or default_dtype(cluster),
                       expert_imbalance=getattr(args, "expert_imbalance", 1.0))
     return model, cluster, train
+
+
+def default_cluster(args: argparse.Namespace) -> str:
+    """No --cluster: this machine's CPU workers, as many as --nproc says (train), else as many as the
+    degrees given need when --dp is among them, else 4."""
+    from fivefold.errors import SpecError
+
+    nproc = getattr(args, "nproc", None)
+    if nproc is not None:
+        if nproc < 1:
+            raise SpecError("--nproc", nproc, "must be at least 1")
+        from fivefold.runtime.launch import check_local_workers
+
+        check_local_workers(nproc, "--nproc")
+        return f"1x{nproc}xcpu"
+    if getattr(args, "dp", None) is not None:
+        world = 1
+        for degree in (getattr(args, d, None) for d in ("dp", "tp", "pp", "cp")):
+            if degree is not None:
+                if degree < 1:
+                    return "1x4xcpu"  # the layout names the bad degree
+                world *= degree
+        return f"1x{world}xcpu"
+    return "1x4xcpu"
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
@@ -116,6 +140,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (default: 1.0)")
     p.add_argument("--metrics-file", default=None,
                    help="append one JSON line per step here; its folder also gets plan.toml")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="write per-step scalars (loss, grad norm, lr, tokens/s, MFU, memory, per-rank step times) "
+                        "as TensorBoard event files into DIR")
     p.add_argument("--checkpoint-dir", default=None,
                    help="folder of step-XXXXXXXX checkpoints (saved in the background; always after the last step)")
     p.add_argument("--checkpoint-every", type=int, default=0,

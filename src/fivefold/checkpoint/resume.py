@@ -97,11 +97,15 @@ def check_resumable(path: Path, plan: Plan, seed: int, steps: int) -> dict:
 def plan_for_hf(plan: Plan, folder: str, model_from_plan_file: bool, keep_layers_per_stage: bool) -> Plan:
     """The plan with the Hugging Face folder's model: the folder's config.json decides the model, unless
     the plan came from a file, whose model must then be the same."""
-    from fivefold.checkpoint.hf import CONFIG_FILE, read_hf_config
+    from fivefold.checkpoint.hf import CONFIG_FILE, _weight_files, read_hf_config
 
     require((Path(folder) / CONFIG_FILE).is_file(), "--init-from-hf", folder,
             f"no {CONFIG_FILE}; give a local Hugging Face Llama folder")
     _, spec = read_hf_config(Path(folder))
+    try:
+        _weight_files(Path(folder))  # the weights exist (else only a worker would find out)
+    except SpecError as exc:
+        raise SpecError("--init-from-hf", folder, exc.fix) from None
     if model_from_plan_file:
         field = architecture_difference(plan.model, spec)
         if field is not None:

@@ -95,8 +95,10 @@ def tokenize_text(text: str, tokenizer: Tokenizer) -> np.ndarray:
     return np.asarray(tokenizer.encode(text), dtype=np.uint32)
 
 
-def write_token_file(text_path: str | Path, out_path: str | Path, tokenizer: Tokenizer | None = None) -> Path:
-    """Tokenize a UTF-8 text file into a token file (NAME.bin + NAME.json) that `--data` accepts."""
+def write_token_file(text_path: str | Path, out_path: str | Path, tokenizer: Tokenizer | None = None,
+                     min_tokens: int = 0) -> Path:
+    """Tokenize a UTF-8 text file into a token file (NAME.bin + NAME.json) that `--data` accepts. Fewer than
+    `min_tokens` tokens is an error raised before anything is written."""
     tokenizer = tokenizer or ByteTokenizer()
     text_path = Path(text_path)
     try:
@@ -107,7 +109,11 @@ def write_token_file(text_path: str | Path, out_path: str | Path, tokenizer: Tok
         raise SpecError("--data", str(text_path), f"not UTF-8 text ({exc.reason} at byte {exc.start}); "
                                                   "give a .bin/.npy token file instead") from None
     stat = text_path.stat()
-    return write_tokens(tokenize_text(text, tokenizer), out_path,
+    tokens = tokenize_text(text, tokenizer)
+    if len(tokens) < min_tokens:
+        raise SpecError("--data", str(text_path), f"has {len(tokens)} tokens; one sequence needs seq_len + 1 = "
+                                                  f"{min_tokens}")
+    return write_tokens(tokens, out_path,
                         {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
                          "source": str(text_path), "source_size": stat.st_size,
                          "source_mtime_ns": stat.st_mtime_ns})
@@ -180,8 +186,9 @@ def read_token_file(path: str | Path) -> TokenDataset:
     return TokenDataset(np.memmap(path, dtype=dtype, mode="r"), str(path), meta.get("vocab_size"))
 
 
-def open_dataset(path: str | None, tokenizer: Tokenizer | None = None) -> TokenDataset:
-    """The `--data` flag: None -> the built-in corpus; .bin/.npy -> memory-mapped; text -> tokenized once."""
+def open_dataset(path: str | None, tokenizer: Tokenizer | None = None, min_tokens: int = 0) -> TokenDataset:
+    """The `--data` flag: None -> the built-in corpus; .bin/.npy -> memory-mapped; text -> tokenized once (and
+    the cache beside it written only when it holds at least `min_tokens`)."""
     tokenizer = tokenizer or ByteTokenizer()
     if path is None:
         return default_dataset(tokenizer)
@@ -194,7 +201,7 @@ def open_dataset(path: str | None, tokenizer: Tokenizer | None = None) -> TokenD
     stat = file.stat()
     meta = json.loads(_sidecar(cache).read_text()) if _sidecar(cache).is_file() and cache.is_file() else {}
     if (meta.get("source_size"), meta.get("source_mtime_ns")) != (stat.st_size, stat.st_mtime_ns):
-        write_token_file(file, cache, tokenizer)
+        write_token_file(file, cache, tokenizer, min_tokens)
     return read_token_file(cache)
 
 

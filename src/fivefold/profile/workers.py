@@ -51,6 +51,9 @@ def _free_port() -> int:
 
 def _worker(rank: int, ranks: int, port: int, quick: bool, use_cuda: bool, compute: bool, threads: int,
             results) -> None:
+    from fivefold.interrupt import quiet_sigint_in_worker
+
+    quiet_sigint_in_worker()  # Ctrl-C reaches the whole process group: end without a traceback
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
@@ -98,7 +101,19 @@ def measure_on_ranks(ranks: int, quick: bool, use_cuda: bool, compute: bool = Tr
                                  daemon=True) for r in range(ranks)]
     for process in processes:
         process.start()
-    out = RankMeasurements(ranks, threads)
+    try:
+        return _collect(processes, results, RankMeasurements(ranks, threads), on_step)
+    except BaseException:  # Ctrl-C, SIGTERM, a failed rank: no measurement process outlives the parent
+        for process in processes:
+            process.kill()
+        for process in processes:
+            process.join(timeout=10)
+        raise
+
+
+def _collect(processes: list, results, out: RankMeasurements,
+             on_step: Callable[[str, object], None] | None) -> RankMeasurements:
+    """What rank 0 reports, until it says it is done; then every process has to exit cleanly."""
     while True:
         try:
             item = results.get(timeout=2)

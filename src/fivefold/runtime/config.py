@@ -10,6 +10,7 @@ No torch import: the CLI checks a run before anything heavy is loaded.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -32,6 +33,7 @@ class RunConfig:
     tokenizer: str | None = None  # HF tokenizer.json for text data; None = bytes
     device: str = "auto"  # cpu | cuda | auto
     metrics_file: str | None = None  # JSON lines, written by rank 0
+    tensorboard: str | None = None  # folder of TensorBoard event files (per-step scalars), written by rank 0
     show_progress: bool = True  # rank 0 draws progress (bar on a terminal, lines otherwise)
     progress_to_stderr: bool = False  # keep stdout for a JSON summary
     trace: bool = False  # time every action of a few steps on every rank (runtime/trace.py)
@@ -48,10 +50,11 @@ class RunConfig:
     straggler_factor: float = 1.5  # report a rank computing this much slower than the median; 0 = off
     straggler_patience: int = 3  # ... for this many steps in a row
     collective_timeout: float = 600.0  # seconds a collective may wait for a peer before the step fails
+    progress_file: str | None = None  # rank 0 writes the last finished step here (the launcher's interrupt line)
 
     # Filled in by the launcher or the caller, never given as a `train` flag.
     DERIVED = frozenset({"plan_toml", "show_progress", "progress_to_stderr", "checkpoint_async", "resume_from",
-                         "run_dir"})
+                         "run_dir", "progress_file"})
 
     @property
     def plan(self) -> Plan:
@@ -96,4 +99,31 @@ class RunConfig:
         require(self.straggler_patience >= 1, "--straggler-patience", self.straggler_patience,
                 "must be at least 1 step")
         require(self.steps >= 1, "--steps", self.steps, "must be at least 1")
+        self.validate_numbers()
+        self.validate_paths()
+
+    def validate_numbers(self) -> None:
+        """The optimizer and schedule flags: finite, positive where zero or less cannot train."""
+        require(math.isfinite(self.lr) and self.lr > 0, "--lr", self.lr, "must be a positive finite number, e.g. 3e-3")
+        require(math.isfinite(self.grad_clip) and self.grad_clip > 0, "--grad-clip", self.grad_clip,
+                "must be a positive finite gradient norm, e.g. 1.0 (clipping cannot be turned off)")
+        require(self.warmup_steps >= 0, "--warmup-steps", self.warmup_steps, "must be 0 or more")
+        require(0 <= self.seed < 2**63, "--seed", self.seed, "must be an integer from 0 to 2**63-1")
+        require(math.isfinite(self.collective_timeout), "--collective-timeout", self.collective_timeout,
+                "must be a finite number of seconds")
+        require(math.isfinite(self.max_loss_spike), "--max-loss-spike", self.max_loss_spike,
+                "must be a finite factor above 1, or 0 to disable")
+        require(math.isfinite(self.straggler_factor), "--straggler-factor", self.straggler_factor,
+                "must be a finite factor above 1, or 0 to disable")
+
+    def validate_paths(self) -> None:
+        """Output paths of the right kind in a writable place; nothing is created here."""
+        from fivefold.outputs import check_output_dir, check_output_file
+
+        if self.metrics_file:
+            check_output_file(self.metrics_file, "--metrics-file", "metrics.jsonl")
+        if self.checkpoint_dir:
+            check_output_dir(self.checkpoint_dir, "--checkpoint-dir")
+        if self.tensorboard:
+            check_output_dir(self.tensorboard, "--tensorboard")
 

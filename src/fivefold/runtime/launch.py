@@ -6,18 +6,24 @@ starts. For several machines, `torchrun_command` prints the equivalent torchrun 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shlex
+import signal
 import socket
+import tempfile
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from fivefold.elastic.agent import AgentWatch
 from fivefold.elastic.events import LAUNCHER, EventLog
 from fivefold.elastic.report import build_report, write_report
+from fivefold.elastic.restart import newest_complete
 from fivefold.errors import SpecError, require
+from fivefold.interrupt import Interrupted, quiet_sigint_in_worker, interrupted_line
 from fivefold.runtime.config import RunConfig
 from fivefold.spec import Plan
 
@@ -29,9 +35,12 @@ def check_runnable(plan: Plan, nproc: int, device: str = "cpu", gpus: int = 0, l
     `nproc` is the whole world, `local_nproc` the processes on this machine (default: all of them),
     `gpus` the GPUs this machine has."""
     local_nproc = nproc if local_nproc is None else local_nproc
-    require(nproc == plan.world_size, "--nproc", nproc,
-            f"the plan needs dp*tp*pp*cp = {plan.world_size} processes ({plan.describe()}); "
-            f"give --nproc {plan.world_size}, or a layout for {nproc} (e.g. --cluster 1x{nproc}xcpu)")
+    if device == "cpu":
+        check_local_workers(local_nproc, "--nproc")
+    if nproc != plan.world_size:
+        raise SpecError("--nproc", nproc, f"the plan needs dp*tp*pp*cp = {plan.world_size} processes on "
+                        f"{plan.cluster.label} ({plan.describe()}), not {nproc}; give --nproc {plan.world_size}"
+                        + layout_for(plan, nproc))
     if local_nproc < nproc:  # several machines: torchrun decides the node of each rank
         slots = plan.cluster.slots()
         for rank, device_index in enumerate(plan.placement):
@@ -89,6 +98,29 @@ def check_runnable(plan: Plan, nproc: int, device: str = "cpu", gpus: int = 0, l
         require(t.dtype != "fp16", "train.dtype", t.dtype, "fp16 needs loss scaling; use bf16 or fp32")
 
 
+def check_local_workers(nproc: int, flag: str) -> None:
+    """CPU worker processes on this machine: a number far beyond its cores is a typo, refused before a
+    process starts (each worker holds a Python interpreter and torch, ~0.3 GiB)."""
+    limit = max(64, 8 * (os.cpu_count() or 1))
+    require(nproc <= limit, flag, nproc, f"more CPU worker processes than this machine can hold ({os.cpu_count()} "
+            f"cores; at most {limit}); describe a bigger cluster for `plan`/`estimate` instead")
+
+
+def layout_for(plan: Plan, nproc: int) -> str:
+    """', or --cluster 1xNxcpu --dp D' when that layout (same tp, pp, cp) is a valid plan for nproc CPU workers."""
+    inner = plan.tp * plan.pp * plan.cp
+    if nproc < 1 or nproc % inner:
+        return ""
+    try:
+        from fivefold.spec import parse_cluster
+
+        plan.replace(cluster=parse_cluster(f"1x{nproc}xcpu"), dp=nproc // inner, placement=(),
+                     replica_micro_batches=())
+    except SpecError:
+        return ""
+    return f", or --cluster 1x{nproc}xcpu --dp {nproc // inner} for {nproc} CPU workers"
+
+
 def resolve_device(kind: str) -> tuple[str, int]:
     """("cpu" | "cuda", GPUs on this machine) for --device cpu|cuda|auto."""
     import torch
@@ -108,7 +140,7 @@ def check_data(plan: Plan, data: str | None, tokenizer: str | None) -> None:
     tok = load_tokenizer(tokenizer)
     require(tok.vocab_size <= plan.model.vocab, "--tokenizer", tokenizer or "bytes",
             f"has {tok.vocab_size} tokens but model.vocab={plan.model.vocab}; use a larger vocab")
-    dataset = open_dataset(data, tok)
+    dataset = open_dataset(data, tok, min_tokens=plan.train.seq_len + 1)
     if dataset.vocab_size is not None:
         require(dataset.vocab_size <= plan.model.vocab, "--data", dataset.name,
                 f"was tokenized with {dataset.vocab_size} tokens but model.vocab={plan.model.vocab}")
@@ -167,6 +199,7 @@ def worker_entry(configs: list[RunConfig]) -> list[dict]:
     from fivefold.runtime.knobs import FaultKnobs
     from fivefold.runtime.train import train
 
+    quiet_sigint_in_worker()  # a terminal's Ctrl-C reaches every worker too: end without a traceback
     try:
         knobs = FaultKnobs.from_env()  # test-only fault knobs (knobs.py); none set in a real run
         return [train(config, knobs) for config in configs]
@@ -187,6 +220,14 @@ def worker_entry(configs: list[RunConfig]) -> list[dict]:
             dist.destroy_process_group()
 
 
+def read_progress(path: str) -> int | None:
+    """The last step rank 0 finished (MetricsFile writes it), None before the first one."""
+    try:
+        return int(Path(path).read_text().strip() or "x")
+    except (OSError, ValueError):
+        return None
+
+
 def launch(configs: list[RunConfig], nproc: int, max_restarts: int = 0) -> list[dict]:
     """Run `configs` (RunConfig) on `nproc` local worker processes; rank 0's summaries.
 
@@ -197,7 +238,10 @@ def launch(configs: list[RunConfig], nproc: int, max_restarts: int = 0) -> list[
     # The agent logs every start and stop, and repeats a failed worker's traceback (which the worker
     # already printed); the user sees the workers' own output and one line from WorkerFailed.
     debug = bool(os.environ.get("FIVEFOLD_DEBUG"))
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+    # torch's elastic modules set their own logger levels, so the parents' level alone does not silence them
+    # (e.g. "Received 15 death signal, shutting down workers" on Ctrl-C); set every one of them.
+    for name in ["torch.distributed.elastic", "torch.distributed.launcher",
+                 *(n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic"))]:
         logging.getLogger(name).setLevel(logging.INFO if debug else logging.CRITICAL)
     launch_config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
                                  rdzv_endpoint=f"localhost:{free_port()}", run_id=f"fivefold-{os.getpid()}",
@@ -209,10 +253,22 @@ def launch(configs: list[RunConfig], nproc: int, max_restarts: int = 0) -> list[
     events = EventLog(run_dir, restart=LAUNCHER)
     events.write("launch", nproc=nproc, max_restarts=max_restarts)
     outcome = "failed"
+    handle, progress_file = tempfile.mkstemp(prefix="fivefold-progress-")  # rank 0's last finished step
+    os.close(handle)
+    configs = [dataclasses.replace(config, progress_file=progress_file) for config in configs]
     try:
         with AgentWatch(run_dir) if run_dir else contextlib.nullcontext():
             results = elastic_launch(launch_config, worker_entry)(list(configs))
         outcome = "finished"
+    except (SignalException, KeyboardInterrupt) as exc:
+        # Ctrl-C / SIGTERM: torch's agent has already stopped every worker (SIGTERM, then SIGKILL after
+        # a grace period) before it re-raised the signal as SignalException.
+        outcome = "interrupted"
+        signum = int(exc.sigval) if isinstance(exc, SignalException) else int(signal.SIGINT)
+        config = configs[-1]
+        newest = newest_complete(config.checkpoint_dir)
+        raise Interrupted(signum, interrupted_line(read_progress(progress_file), config.steps, config.checkpoint_dir,
+                                                   newest)) from None
     except ChildFailedError as exc:
         # A crash on one rank makes its peers fail with connection errors; report the cause.
         def secondary(item) -> bool:
@@ -226,6 +282,7 @@ def launch(configs: list[RunConfig], nproc: int, max_restarts: int = 0) -> list[
                            f"{lines[0] if lines else 'no message'}"
                            + ("" if debug else " (FIVEFOLD_DEBUG=1 shows the traceback)")) from None
     finally:
+        Path(progress_file).unlink(missing_ok=True)
         if user_threads is None:
             del os.environ["OMP_NUM_THREADS"]
         events.write("end", outcome=outcome)

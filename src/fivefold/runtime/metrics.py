@@ -59,22 +59,43 @@ def gather_from_ranks(values: list[float], device: torch.device, rank: int) -> l
 
 
 class MetricsFile:
-    """Appends one JSON object per line; flushed every step so a crashed run keeps its history."""
+    """Appends one JSON object per line; flushed every step so a crashed run keeps its history. Also where
+    the step's scalars go to TensorBoard (--tensorboard), and the last finished step to the launcher's
+    progress file (read when the run is interrupted, for the "interrupted at step N" line)."""
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, tensorboard: str | None = None, progress_file: str | None = None) -> None:
         self.file: IO[str] | None = None
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self.file = open(path, "a")
+        self.tensorboard = None
+        if tensorboard:
+            from fivefold.runtime.tensorboard import TensorBoardWriter
+
+            self.tensorboard = TensorBoardWriter(tensorboard)
+        self.progress_file = progress_file
+
+    @classmethod
+    def for_run(cls, config: Any, is_rank0: bool) -> MetricsFile:
+        """Rank 0 writes everything; the other ranks get a sink that writes nothing."""
+        if not is_rank0:
+            return cls(None)
+        return cls(config.metrics_file, config.tensorboard, getattr(config, "progress_file", None))
 
     def write(self, record: dict[str, Any]) -> None:
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
+        if self.progress_file:
+            Path(self.progress_file).write_text(f"{record['step']}\n")
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def format_step(record: dict[str, Any]) -> str:

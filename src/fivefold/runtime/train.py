@@ -186,7 +186,7 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
 
     first_step = elastic.start(parts, Checkpointer(config, plan, mesh, parts, optimizer, loader))  # > 0: resumed
     meter = StepMeter(plan, device, mesh.rank, "fp32" if param_dtype is None else "bf16", first_step)
-    metrics = MetricsFile(config.metrics_file if is_rank0 else None)
+    metrics = MetricsFile.for_run(config, is_rank0)  # metrics file, TensorBoard, progress for an interrupt
     progress = Progress(config.steps, f"training {plan.model.name}: {plan.describe()} on {plan.world_size} "
                         f"{device.type} process(es)", stream) if is_rank0 and config.show_progress else None
     history: list[dict] = []

@@ -200,8 +200,22 @@ def from_estimate(plan: Plan, estimate: Any, stage_scale: dict[int, float] | Non
                      overlap_param_gather=sync.gather_overlapped, async_p2p=stack.async_p2p)
 
 
+# Micro-batch x stage pairs of one step the simulator replays (each is a forward and a backward per rank, and
+# a bar in the trace and picture): ~25 s on one core at the limit. A larger step is refused at once.
+MAX_SIMULATED_PASSES = 50_000
+
+
+def check_simulation_size(plan: Plan) -> None:
+    passes = plan.num_micro_batches * plan.num_stages
+    if passes > MAX_SIMULATED_PASSES:
+        raise SpecError("plan.num_micro_batches", plan.num_micro_batches,
+                        f"x {plan.num_stages} stages = {passes:,} passes per step, more than the simulator replays "
+                        f"({MAX_SIMULATED_PASSES:,}); raise --micro-batch or lower --global-batch")
+
+
 def simulate_plan(plan: Plan, stage_scale: dict[int, float] | None = None, estimate: Any = None) -> SimResult:
     """Simulate one step of `plan` with the cost model's durations (estimate computed unless given)."""
+    check_simulation_size(plan)
     if estimate is None:
         from fivefold.cost import estimate as estimate_plan
 

@@ -11,7 +11,8 @@ from fivefold.errors import SpecError, require
 # Far beyond any machine or model built so far, small enough that a list per device (placement, slots) is
 # cheap. Larger values are refused at once with one line.
 MAX_DEVICES = 1 << 20  # devices in one cluster (the largest clusters today have ~10^5)
-MAX_COUNT = 1 << 24  # any other count or width: layers, hidden, heads, vocab, sequence length, batch, ...
+MAX_COUNT = 1 << 24  # any other count or width: hidden, heads, vocab, sequence length, batch, ...
+MAX_LAYERS = 4096  # the deepest models have ~200; the planner's stage balancing works per layer
 
 
 def is_int(value: object) -> bool:

@@ -30,6 +30,10 @@ def layout_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, dp:
                 recompute: str | None = None, sequence_parallel: bool | None = None) -> Plan:
     """The Plan these choices describe: tp, pp, cp, ep 1; dp the rest of the cluster; zero 0; micro-batch 1;
     1F1B (zbv: 2 virtual stages); even layers; no recompute; sequence parallel when tp > 1."""
+    for flag, value in (("--tp", tp), ("--pp", pp), ("--cp", cp), ("--ep", ep), ("--micro-batch", micro_batch),
+                        ("--virtual-stages", virtual_stages)):
+        if value is not None and value < 1:  # never a silent 0 -> 1
+            raise SpecError(flag, value, "must be at least 1")
     tp, pp, cp, ep = tp or 1, pp or 1, cp or 1, ep or 1
     if dp is None:
         inner = tp * pp * cp

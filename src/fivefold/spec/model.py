@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fivefold.errors import SpecError, require
-from fivefold.spec.checks import MAX_COUNT, check_field_types, check_table, divisors
+from fivefold.spec.checks import MAX_COUNT, MAX_LAYERS, check_field_types, check_table, divisors
 from fivefold.spec.units import read_toml_file
 
 MLP_KINDS = ("gelu", "swiglu")
@@ -75,8 +75,9 @@ class ModelSpec:
         for name in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "max_seq_len"):
             value = getattr(self, name)
             require(value > 0, f"model.{name}", value, "must be a positive integer")
-            require(value <= MAX_COUNT, f"model.{name}", value,
-                    f"must be at most {MAX_COUNT:,}; a larger value is not a real model")
+            limit = MAX_LAYERS if name == "layers" else MAX_COUNT
+            require(value <= limit, f"model.{name}", value, f"must be at most {limit:,}; a larger value is not a "
+                    "real model")
         for name in ("rope_theta", "norm_eps"):
             value = getattr(self, name)
             require(value > 0, f"model.{name}", value, "must be a positive finite number")

@@ -145,8 +145,8 @@ class Plan:
         for name in ("layers_per_stage", "placement", "replica_micro_batches"):
             values = getattr(self, name)
             require(isinstance(values, (list, tuple)), f"plan.{name}", values, "must be a list of integers")
-            for value in values:
-                require(is_int(value), f"plan.{name}", list(values)[:16], "must be a list of integers")
+            if not all(is_int(value) for value in values):
+                raise SpecError(f"plan.{name}", list(values)[:16], "must be a list of integers")
         require(len(self.placement) <= MAX_COUNT, "plan.placement", len(self.placement), "is far too long")
 
     def validate(self) -> None:
@@ -155,9 +155,11 @@ class Plan:
         require(self.version == PLAN_VERSION, "plan.version", self.version,
                 f"this fivefold reads plan version {PLAN_VERSION}")
         world = self.cluster.world_size
-        require(self.world_size == world, "plan.dp*tp*pp*cp", self.world_size,
-                f"degrees must multiply to the cluster's {world} devices (dp={self.dp} tp={self.tp} "
-                f"pp={self.pp} cp={self.cp})")
+        if self.world_size != world:
+            inner = self.tp * self.pp * self.cp
+            hint = f"; e.g. dp={world // inner}" if world % inner == 0 else ""
+            raise SpecError("plan.dp*tp*pp*cp", self.world_size, f"degrees must multiply to the cluster's {world} "
+                            f"devices (dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp}){hint}")
         require(m.heads % self.tp == 0, "plan.tp", self.tp, f"must divide model.heads={m.heads}; "
                 f"valid: {', '.join(map(str, divisors(m.heads)))}")
         require(m.kv_heads % self.tp == 0, "plan.tp", self.tp, f"must divide model.kv_heads={m.kv_heads}; "

@@ -1,0 +1,112 @@
+"""Ctrl-C and SIGTERM stop `train`, `profile` and a long `plan` cleanly: one line, exit 130 / 143, no traceback,
+no process left, and a checkpoint folder in which every committed checkpoint is whole."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fivefold.checkpoint import checkpoint_problem
+from fivefold.elastic.events import read_pids
+
+pytestmark = pytest.mark.slow
+SMALL = ["--model", "tiny", "--seq-len", "32", "--global-batch", "4", "--device", "cpu"]
+
+
+def start(argv: list[str], cwd: Path) -> subprocess.Popen:
+    # A session of its own, as a terminal's foreground job: killpg reaches the launcher and its workers.
+    return subprocess.Popen([sys.executable, "-m", "fivefold", *argv], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for(condition, seconds: float = 240.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the run did not get that far"
+        time.sleep(0.2)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.mark.parametrize("signum, code, whole_group, nproc", [(signal.SIGTERM, 143, False, 2),
+                                                              (signal.SIGINT, 130, True, 1)])
+def test_interrupted_training_stops_every_worker_and_names_the_newest_checkpoint(tmp_path, signum, code,
+                                                                                  whole_group, nproc):
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    process = start(["train", "--nproc", str(nproc), "--dp", str(nproc), "--steps", "100000", *SMALL,
+                     "--checkpoint-dir", "ck", "--checkpoint-every", "1", "--metrics-file", "run/metrics.jsonl"],
+                    tmp_path)
+    try:
+        # by step 3, step 1's save is committed (a save first waits for the one before)
+        wait_for(lambda: lines(metrics) >= 3 or process.poll() is not None)
+        workers = read_pids(tmp_path / "run")
+        assert len(workers) == nproc
+        if whole_group:  # Ctrl-C in a terminal: every process of the foreground group gets SIGINT
+            os.killpg(process.pid, signum)
+        else:
+            process.send_signal(signum)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == code, err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    match = re.fullmatch(r"interrupted at step (\d+); newest complete checkpoint ck/step-(\d{8})", last)
+    assert match, last
+    step, saved = int(match.group(1)), int(match.group(2))
+    assert 1 <= saved < step and step >= 3
+    wait_for(lambda: not any(alive(pid) for pid in workers.values()), 30)
+    for folder in (tmp_path / "ck").glob("step-*"):  # whole, or visibly incomplete (no COMMIT): never half
+        assert not (folder / "COMMIT").exists() or checkpoint_problem(folder) is None
+    assert checkpoint_problem(tmp_path / "ck" / f"step-{saved:08d}") is None
+
+
+def test_interrupted_profile_leaves_no_process_and_no_file(tmp_path):
+    process = start(["profile", "--quick", "--nproc", "2", "--out", "here.toml"], tmp_path)
+    try:
+        time.sleep(8)  # past start-up, into the measurements
+        children = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True,
+                                                       text=True).stdout.split()]
+        os.killpg(process.pid, signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130, err
+    assert err.strip().splitlines()[-1].startswith("interrupted") and "Traceback" not in err
+    assert not (tmp_path / "here.toml").exists()
+    wait_for(lambda: not any(alive(pid) for pid in children), 30)
+
+
+def test_sigterm_during_a_long_plan_search(tmp_path):
+    # ~13 s of search on one core (220,000 candidates); stopped once it reports progress
+    process = start(["plan", "--model", "gpt-1t", "--cluster", "3000x8xH100", "--seq-len", "2048",
+                     "--global-batch", "6000", "--out", "best.toml"], tmp_path)
+    try:
+        assert process.stderr.readline().startswith("searching: ")
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+    assert not (tmp_path / "best.toml").exists()
