@@ -26,7 +26,11 @@ PLANS: dict[str, dict] = {
     "dp4-ep2": dict(dp=4, ep=2, micro_batch=2),
     "dp4-ep4-zero1": dict(dp=4, ep=4, zero=1, micro_batch=1),
     "dp4-ep2-zero3": dict(dp=4, ep=2, zero=3, micro_batch=1),
+    "dp4-ep2-zero2-recompute": dict(dp=4, ep=2, zero=2, micro_batch=2, recompute="full"),
     "dp2xpp2-ep2-1f1b": dict(dp=2, pp=2, ep=2, schedule="1f1b", micro_batch=2),
+    "dp2xpp2-ep2-gpipe-zero3": dict(dp=2, pp=2, ep=2, zero=3, schedule="gpipe", micro_batch=2),
+    "dp2xpp2-ep2-interleaved": dict(dp=2, pp=2, ep=2, zero=1, schedule="interleaved-1f1b", virtual_stages=2,
+                                    micro_batch=2),
     "dp2xpp2-ep2-zbv": dict(dp=2, pp=2, ep=2, zero=2, schedule="zbv", virtual_stages=2, micro_batch=2),
     "dp2xtp2-ep2-sp": dict(dp=2, tp=2, ep=2, sequence_parallel=True, micro_batch=2),
 }
