@@ -147,3 +147,14 @@ def test_simulator_never_imports_torch() -> None:
             "simulate_plan(plan)\n"
             "assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules, sorted(sys.modules)\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_outputs_of_a_big_step_are_written_side_by_side(tmp_path, monkeypatch) -> None:
+    """Past FORK_ABOVE events a child process writes the trace while this one draws: the same files."""
+    from fivefold.sim import outputs
+
+    monkeypatch.setattr(outputs, "FORK_ABOVE", 0)
+    result = small_result()
+    trace_path, png_path = outputs.write_outputs(result, tmp_path / "out")
+    assert json.loads(trace_path.read_text()) == chrome_trace(result)
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

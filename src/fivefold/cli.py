@@ -106,11 +106,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from fivefold.cost import estimate as estimate_plan
     from fivefold.cost import stack_named
-    from fivefold.sim import parse_stage_times, simulate_plan, write_chrome_trace, write_timeline_png
+    from fivefold.sim import parse_stage_times, simulate_plan
+    from fivefold.sim.outputs import write_outputs
 
     plan = plan_from_args(args)
     check_output_dir(args.out_dir, "--out-dir")
@@ -118,8 +117,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     estimate = estimate_plan(plan, stack_named(args.stack))
     result = simulate_plan(plan, stage_scale, estimate=estimate)
     out_dir = make_dir(args.out_dir, "--out-dir")
-    trace_path = write_chrome_trace(result, out_dir / "trace.json")
-    png_path = write_timeline_png(result, out_dir / "timeline.png")
+    trace_path, png_path = write_outputs(result, out_dir)
     if args.json:
         print_json({**result.to_dict(), "estimate_step_time_s": estimate.step_time_s,
                     "trace": str(trace_path), "timeline": str(png_path)})
