@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -121,8 +122,26 @@ def measure_in_subprocess(plan: Plan, rank: int, gpu: bool, timeout: float = 180
     return json.loads(lines[-1])
 
 
+def _rank_result(plan: Plan, rank: int, answer: dict, rank_memory: list) -> RankResult:
+    pp_rank = plan.coords(rank)["pp"]
+    if "error" in answer:
+        raise DryRunBuildError(f"rank {rank} (pp stage {pp_rank}) does not build or step under the runtime: "
+                               f"{answer['error']}")
+    memory = rank_memory[pp_rank]
+    estimated = {name: getattr(memory, name) for name in PARTS}
+    estimated["peak"] = sum(estimated.values())
+    stages = plan.stages_of(pp_rank)
+    holds = (["embedding"] if 0 in stages else []) + (["head"] if plan.num_stages - 1 in stages else [])
+    capacity = plan.cluster.group_of(plan.placement[rank]).device.memory_bytes
+    return RankResult(rank=rank, pp_stage=pp_rank, stages=stages, holds=holds,
+                      measured={"peak": answer["peak"], **answer["parts"]}, kinds=answer["kinds"],
+                      estimated=estimated, reserved=memory.reserved, capacity=capacity,
+                      micro_batches=answer["micro_batches"], seconds=answer["seconds"],
+                      cpu_seconds=answer.get("cpu_seconds", 0.0))
+
+
 def dry_run(plan: Plan, device: str | None = None, stack_name: str = "fivefold",
-            on_rank: Callable[[RankResult], None] | None = None) -> DryRun:
+            on_rank: Callable[[RankResult], None] | None = None, jobs: int | None = None) -> DryRun:
     """Dry-run every kind of rank of `plan`; raise DryRunBuildError on the first rank that fails."""
     from fivefold.cost import estimate, stack_named
     from fivefold.runtime.launch import check_runnable
@@ -137,25 +156,14 @@ def dry_run(plan: Plan, device: str | None = None, stack_name: str = "fivefold",
     predicted = estimate(plan, stack)
     result = DryRun(plan.describe(), device, plan.world_size, stack.name)
     started = time.perf_counter()
-    for rank in representative_ranks(plan):
-        pp_rank = plan.coords(rank)["pp"]
-        answer = measure_in_subprocess(plan, rank, gpu=device == "cuda")
-        if "error" in answer:
-            raise DryRunBuildError(f"rank {rank} (pp stage {pp_rank}) does not build or step under the runtime: "
-                                   f"{answer['error']}")
-        memory = predicted.rank_memory[pp_rank]
-        estimated = {name: getattr(memory, name) for name in PARTS}
-        estimated["peak"] = sum(estimated.values())
-        stages = plan.stages_of(pp_rank)
-        holds = (["embedding"] if 0 in stages else []) + (["head"] if plan.num_stages - 1 in stages else [])
-        capacity = plan.cluster.group_of(plan.placement[rank]).device.memory_bytes
-        one = RankResult(rank=rank, pp_stage=pp_rank, stages=stages, holds=holds,
-                         measured={"peak": answer["peak"], **answer["parts"]}, kinds=answer["kinds"],
-                         estimated=estimated, reserved=memory.reserved, capacity=capacity,
-                         micro_batches=answer["micro_batches"], seconds=answer["seconds"],
-                         cpu_seconds=answer.get("cpu_seconds", 0.0))
-        result.ranks.append(one)
-        if on_rank is not None:
-            on_rank(one)
+    ranks = representative_ranks(plan)
+    # One process per kind of rank, as many at once as there are cores (each is single-threaded).
+    with ThreadPoolExecutor(max_workers=max(1, min(len(ranks), jobs or os.cpu_count() or 1))) as pool:
+        answers = pool.map(lambda rank: measure_in_subprocess(plan, rank, gpu=device == "cuda"), ranks)
+        for rank, answer in zip(ranks, answers):
+            one = _rank_result(plan, rank, answer, predicted.rank_memory)
+            result.ranks.append(one)
+            if on_rank is not None:
+                on_rank(one)
     result.seconds = time.perf_counter() - started
     return result
