@@ -202,7 +202,9 @@ def from_estimate(plan: Plan, estimate: Any, stage_scale: dict[int, float] | Non
 
 # Micro-batch x stage pairs of one step the simulator replays (each is a forward and a backward per rank, and
 # a bar in the trace and picture): ~25 s on one core at the limit. A larger step is refused at once.
-MAX_SIMULATED_PASSES = 50_000
+# The replay is linear in the passes (sim/engine.py): the 1T GPT's 65,536 (512 micro-batches x 128 stages) take
+# ~3 s with the trace and picture; 500,000 take ~20 s and write a ~400 MB trace, past which a step is refused.
+MAX_SIMULATED_PASSES = 500_000
 
 
 def check_simulation_size(plan: Plan) -> None:

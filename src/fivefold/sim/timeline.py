@@ -14,6 +14,8 @@ every action.
 
 from __future__ import annotations
 
+from collections import Counter
+from operator import itemgetter
 from pathlib import Path
 
 from fivefold.sim.engine import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, EMBEDDING_SYNC, FORWARD, GRAD_REDUCE,
@@ -59,13 +61,17 @@ def _row_y(event: Event, top: float) -> tuple[float, float]:
 
 def merged_spans(spans: list[tuple[float, float]], gap: float) -> list[tuple[float, float]]:
     """Sorted (start, end) spans joined where they overlap or are less than `gap` apart."""
-    merged: list[list[float]] = []
+    merged: list[tuple[float, float]] = []
+    low = high = 0.0
     for start, end in sorted(spans):
-        if merged and start - merged[-1][1] < gap:
-            merged[-1][1] = max(merged[-1][1], end)
+        if merged and start - high < gap:
+            if end > high:
+                high = end
+                merged[-1] = (low, high)
         else:
-            merged.append([start, end])
-    return [(start, end) for start, end in merged]
+            low, high = start, end
+            merged.append((low, high))
+    return merged
 
 
 def _detailed_bars(result: SimResult, gantt) -> tuple[dict, list[str], bool]:
@@ -160,9 +166,7 @@ def write_timeline_png(result: SimResult, path: str | Path, dpi: int = 130) -> P
                                         gridspec_kw={"height_ratios": [row_inches * ranks + 0.6, 2.4]})
     fig.subplots_adjust(left=0.15 if compact else 0.12, right=0.99, top=1 - 1.0 / height, bottom=0.55 / height,
                         hspace=0.9 / (row_inches * ranks + 3.0))
-    per_rank: dict[int, int] = {}
-    for event in result.events:
-        per_rank[event.rank] = per_rank.get(event.rank, 0) + 1
+    per_rank = Counter(map(itemgetter(0), result.events))  # bars per rank (Event.rank)
     aggregated = max(per_rank.values(), default=0) > AGGREGATE_ABOVE
     if aggregated:
         bars, several_stages = aggregated_bars(result), False
