@@ -199,7 +199,7 @@ def test_init_from_hf_refuses_a_folder_that_is_not_llama(tmp_path, capsys, launc
     code, out, err = run_cli(capsys, "--steps", "2", "--init-from-hf", str(folder))
     assert code == 2 and not launched
     assert err.strip() == (f"error: {folder}/config.json:model_type='gpt2': only Llama checkpoints (model_type "
-                           "llama, LlamaForCausalLM) can be imported")
+                           "llama, LlamaForCausalLM), mixtral and qwen3_moe can be imported")
 
 
 def test_init_from_hf_takes_the_model_from_config_json(tmp_path, capsys, launched):
