@@ -130,7 +130,7 @@ class SimResult:
 
     def to_dict(self) -> dict:
         return {"title": self.title, "schedule": self.schedule, "micro_batches": self.micro_batches,
-                "step_time_s": self.step_time_s, "pipeline_time_s": self.pipeline_time_s,
+                "replicas": self.replicas, "step_time_s": self.step_time_s, "pipeline_time_s": self.pipeline_time_s,
                 "bubble_fraction": self.bubble_fraction,
                 "bubble_share_of_step": ((self.pipeline_time_s - self.busiest_rank_s) / self.step_time_s
                                          if self.step_time_s else 0.0),
