@@ -42,3 +42,18 @@ def test_train_with_ep_writes_moe_metrics_and_report_shows_them(tmp_path, capsys
     assert moe["expert_load_max_over_mean_worst"] == max(r["expert_load_max_over_mean"] for r in measured)
     assert main(["report", str(run)]) == 0
     assert "mixture of experts: auxiliary loss" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_loss_guard_skips_a_bad_moe_step(tmp_path, capsys, monkeypatch):
+    from fivefold.elastic.guard import INJECT_ENV
+
+    monkeypatch.setenv(INJECT_ENV, "2:nan")
+    metrics = tmp_path / "metrics.jsonl"
+    assert main(["train", "--device", "cpu", "--model", "preset=tiny-moe,router_bias_rate=0.01", "--cluster",
+                 "1x1xcpu", "--steps", "3", "--seq-len", "32", "--global-batch", "4",
+                 "--metrics-file", str(metrics)]) == 0
+    capsys.readouterr()
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["skipped"] for r in records] == [False, True, False]
+    assert all(r["aux_loss"] > 0 and r["expert_load_max_over_mean"] >= 1.0 for r in records)
