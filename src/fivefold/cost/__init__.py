@@ -9,9 +9,10 @@ from fivefold.cost.layout import Layout
 from fivefold.cost.memory import korthikanti_activation_bytes, zero_model_state_bytes
 from fivefold.cost.pipeline import bubble_ratio
 from fivefold.cost.stack import STACKS, DataParallelSync, SoftwareStack, data_parallel_sync, stack_named
-from fivefold.cost.step import Estimate, Score, StageCost, estimate, estimate_layout
+from fivefold.cost.results import Estimate, Score, StageCost
+from fivefold.cost.step import estimate, estimate_layout, score_layout
 
 __all__ = ["DataParallelSync", "Estimate", "Layout", "STACKS", "Score", "SoftwareStack", "StageCost", "bubble_ratio",
-           "data_parallel_sync", "estimate", "estimate_layout", "hardware_flops_per_step",
+           "data_parallel_sync", "estimate", "estimate_layout", "score_layout", "hardware_flops_per_step",
            "korthikanti_activation_bytes", "model_flops_per_step", "narayanan_flops", "stack_named",
            "zero_model_state_bytes"]

@@ -30,6 +30,7 @@ import math
 from bisect import bisect_right
 from dataclasses import dataclass
 
+from fivefold.cost.cache import IdentityCache
 from fivefold.spec.cluster import Calibration, ClusterSpec
 
 INTRA_EFFICIENCY = 0.8  # NCCL bus bandwidth / NVLink datasheet bandwidth
@@ -77,19 +78,17 @@ class MeasuredCollectives:
         return math.exp(times[i - 1] + share * (times[i] - times[i - 1]))
 
 
-_MEASURED: dict[int, tuple[Calibration, MeasuredCollectives]] = {}
+_MEASURED: IdentityCache[MeasuredCollectives] = IdentityCache(64)
 
 
 def measured_collectives(calibration: Calibration | None) -> MeasuredCollectives | None:
     """The lookup object of a calibration (cached: the planner asks for the same one many times)."""
     if calibration is None or not calibration.collectives:
         return None
-    cached = _MEASURED.get(id(calibration))
-    if cached is None or cached[0] is not calibration:
-        if len(_MEASURED) > 64:
-            _MEASURED.clear()
-        cached = _MEASURED[id(calibration)] = (calibration, MeasuredCollectives(calibration))
-    return cached[1]
+    cached = _MEASURED.get(calibration)
+    if isinstance(cached, MeasuredCollectives):
+        return cached
+    return _MEASURED.put(calibration, None, MeasuredCollectives(calibration))
 
 
 @dataclass(frozen=True)
@@ -178,17 +177,15 @@ class Topology:
         return GroupLink(2, 2, 1, intra, share, latency)
 
 
-_TOPOLOGIES: dict[int, Topology] = {}
+_TOPOLOGIES: IdentityCache[Topology] = IdentityCache(32)
 
 
 def topology_of(cluster: ClusterSpec) -> Topology:
     """The Topology of a cluster, cached (the planner asks for the same cluster many times)."""
-    cached = _TOPOLOGIES.get(id(cluster))
-    if cached is None or cached.cluster is not cluster:
-        if len(_TOPOLOGIES) > 32:
-            _TOPOLOGIES.clear()
-        cached = _TOPOLOGIES[id(cluster)] = Topology(cluster)
-    return cached
+    cached = _TOPOLOGIES.get(cluster)
+    if isinstance(cached, Topology):
+        return cached
+    return _TOPOLOGIES.put(cluster, None, Topology(cluster))
 
 
 def _log2_ceil(n: int) -> int:

@@ -33,6 +33,7 @@ import math
 from bisect import bisect_right
 from dataclasses import dataclass
 
+from fivefold.cost.cache import IdentityCache, Missing
 from fivefold.spec.cluster import Calibration, HostCosts
 from fivefold.spec.devices import DeviceSpec
 
@@ -119,23 +120,20 @@ class GemmCurve:
         return math.exp(ys[i - 1] + share * (ys[i] - ys[i - 1]))
 
 
-_CURVES: dict[tuple[int, str], tuple[Calibration, GemmCurve | None]] = {}
+_CURVES: IdentityCache[GemmCurve | None] = IdentityCache(64)
 
 
 def gemm_curve(calibration: Calibration | None, dtype: str) -> GemmCurve | None:
     """The measured GEMM curve of a calibration for one dtype, or None without points (cached)."""
     if calibration is None or not calibration.gemm:
         return None
-    key = (id(calibration), dtype)
-    cached = _CURVES.get(key)
-    if cached is None or cached[0] is not calibration:
-        element_bytes = dtype_bytes(dtype)
-        points = [(arithmetic_intensity(m, n, k, element_bytes), rate)
-                  for m, n, k, point_dtype, rate in calibration.gemm if point_dtype == dtype and rate > 0]
-        if len(_CURVES) > 64:
-            _CURVES.clear()
-        cached = _CURVES[key] = (calibration, GemmCurve(points) if points else None)
-    return cached[1]
+    cached = _CURVES.get(calibration, dtype)
+    if not isinstance(cached, Missing):
+        return cached
+    element_bytes = dtype_bytes(dtype)
+    points = [(arithmetic_intensity(m, n, k, element_bytes), rate)
+              for m, n, k, point_dtype, rate in calibration.gemm if point_dtype == dtype and rate > 0]
+    return _CURVES.put(calibration, dtype, GemmCurve(points) if points else None)
 
 
 class Device:

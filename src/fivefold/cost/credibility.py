@@ -20,7 +20,7 @@ from fivefold.cost.stack import SoftwareStack, unsupported_features
 from fivefold.spec.plan import Plan
 
 if TYPE_CHECKING:
-    from fivefold.cost.step import Estimate
+    from fivefold.cost.results import Estimate
 
 
 @dataclass(frozen=True)

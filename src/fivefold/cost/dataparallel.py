@@ -22,23 +22,19 @@ mechanisms the simulator replays (sim/engine.py), in closed form per rank group:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from fivefold.cost.comm import Topology, all_gather_time, all_reduce_time, reduce_scatter_time
 from fivefold.cost.layer import padded_vocab
-from fivefold.cost.layout import Layout, RankEnv
+from fivefold.cost.layout import Layout, RankEnv, RankGroup
 from fivefold.cost.stack import DataParallelSync, SoftwareStack, data_parallel_sync
 from fivefold.spec.model import ModelSpec
-
-if TYPE_CHECKING:
-    from fivefold.cost.step import RankGroup
+from fivefold.spec.plan import SPLIT_BACKWARD
 
 # Adam step traffic per parameter on its rank (multi-tensor apply, memory-bound): read fp32 master,
 # momentum, variance and the gradient, write the three back and the 16-bit weight copy, plus the
 # gradient-norm and unscale passes: ~36 bytes; fp16 adds the fp16 -> fp32 gradient copy of Megatron's
 # loss-scaling optimizer (~8 more).
 OPTIMIZER_BYTES_PER_PARAM = {"bf16": 36.0, "fp16": 44.0, "fp32": 36.0, "fp8": 36.0}
-SPLIT_SCHEDULES = ("zb-h1", "zbv")  # weight gradients in their own W pass
 
 
 def optimizer_time(layout: Layout, env: RankEnv, dense: float, expert: float) -> float:
@@ -134,7 +130,7 @@ def _finishes(schedule: str, p: int, v: int, r: int, f: float, b: float, w: floa
     pass, earliest first, for identical stages with per-chunk f, b (input gradient), w; measured on the
     simulator's replay of the torch orders (1F1B: rank r ends r backwards before rank 0)."""
     if p <= 1:
-        return [(0.0, w if schedule in SPLIT_SCHEDULES else b + w)]
+        return [(0.0, w if schedule in SPLIT_BACKWARD else b + w)]
     if schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
         return [(r * (b + w) + chunk * p * (b + w), b + w) for chunk in reversed(range(v))]
     if schedule == "zb-h1":  # deferred W passes fill the drain; the slower of B and W sets the stagger
@@ -163,7 +159,7 @@ def data_parallel_time(layout: Layout, stack: SoftwareStack, groups: list[RankGr
     """The data-parallel terms of a step (module docstring), per rank group."""
     policy = data_parallel_sync(stack, layout.zero, layout.pp)
     p, v, m = layout.pp, layout.virtual_stages, layout.num_micro_batches
-    split = layout.schedule in SPLIT_SCHEDULES
+    split = layout.schedule in SPLIT_BACKWARD
     per_pass, in_passes = _gathers_per_pass(policy), _reduces_in_passes(policy)
     tied = tied_embedding_seconds(layout, stack, topology, first_device, last_device)
     total = head = 0.0

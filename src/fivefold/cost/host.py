@@ -6,8 +6,8 @@ collectives."""
 from __future__ import annotations
 
 from fivefold.cost.comm import Topology, all_reduce_time
-from fivefold.cost.layer import ZERO_PASS, PassCost
-from fivefold.cost.layout import Layout, RankEnv
+from fivefold.cost.layer import PassCost
+from fivefold.cost.layout import Layout, LayerCosts, RankEnv
 from fivefold.cost.stack import SoftwareStack, TensorParallelCollectives, eager_ops, tensor_parallel_collectives
 
 NO_TP_COLLECTIVES = TensorParallelCollectives(0, 0, 0, 0, 0, 0)
@@ -20,13 +20,13 @@ def _host_pass(forward: float, backward: float, recompute: bool) -> PassCost:
     return PassCost(forward, backward, 0.0, redo, 0.0, 0.0, 0.0, 0.0, forward + backward + redo)
 
 
-def with_host_costs(layout: Layout, env: RankEnv, stack: SoftwareStack, costs: tuple) -> tuple:
-    """layer_costs' (layer, embedding, head, activation, transient) plus a per-stage-model PassCost, with
-    the eager stack's measured host costs added when the rank's device has them (module docstring)."""
+def with_host_costs(layout: Layout, env: RankEnv, stack: SoftwareStack, costs: LayerCosts) -> LayerCosts:
+    """layer_costs' costs with the eager stack's measured host costs added when the rank's device has them,
+    including the per-stage-model part (module docstring)."""
     host = env.device.host
     if host is None or not stack.eager_host_costs:
-        return (*costs, ZERO_PASS)
-    layer, embedding, head, activation, transient = costs
+        return costs
+    layer, embedding, head, activation, transient, _ = costs
     ops = eager_ops(layout.model)
     tensor_parallel = layout.tp > 1
     op_f = host.dtensor_op_forward if tensor_parallel else host.op_forward
@@ -44,7 +44,7 @@ def with_host_costs(layout: Layout, env: RankEnv, stack: SoftwareStack, costs: t
     traffic_b = ops.layer_backward_traffic * tokens * per_element
     traffic = PassCost(traffic_f, traffic_b, 0.0, traffic_f if recompute else 0.0, traffic_f if recompute else 0.0,
                        0.0, 0.0, 0.0, 0.0)
-    return (layer + traffic + _host_pass(ops.layer_forward * op_f + hooks_f + tp.layer_forward * collective,
+    return LayerCosts(layer + traffic + _host_pass(ops.layer_forward * op_f + hooks_f + tp.layer_forward * collective,
                                          ops.layer_backward * op_b + hooks_b + tp.layer_backward * collective,
                                          recompute),
             embedding + _host_pass(ops.embedding_forward * op_f + tp.embedding_forward * collective,

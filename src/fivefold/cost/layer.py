@@ -115,8 +115,8 @@ class _Work:
             excess += forward - forward_gpu
         elif recompute == "selective":
             redo = redo_compute = self.selective
-        comm = [self.forward_comm[k] * (1 + redo_share) + self.backward_comm[k] for k in COMM_KINDS]
-        return PassCost(forward, backward_input, self.backward_weight, redo, redo_compute, *comm, excess)
+        tp, cp, ep = (self.forward_comm[k] * (1 + redo_share) + self.backward_comm[k] for k in COMM_KINDS)
+        return PassCost(forward, backward_input, self.backward_weight, redo, redo_compute, tp, cp, ep, excess)
 
 
 def _with_host(gpu: float, kernels: int, stack: SoftwareStack) -> float:

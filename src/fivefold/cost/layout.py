@@ -1,7 +1,7 @@
 """Layout: a Plan's fields without validation, and what each pipeline rank runs on.
 
 The planner enumerates thousands of layouts a second; building and validating a Plan for each would cost
-more than costing it, so it builds Layouts, which reuse Plan's own rank arithmetic (its methods, unbound)
+more than costing it, so it builds Layouts, which share Plan's rank arithmetic (spec.plan.MeshRanks)
 and so agree with the Plan the winner becomes. For every pipeline rank we find its device (the slowest
 among the devices its ranks sit on; with uneven micro-batches per replica, among those of the replica that
 finishes last, whose count is then num_micro_batches) and the links of its TP, CP, EP and data-parallel
@@ -10,38 +10,56 @@ groups through the placement; per-layer costs are cached on everything they depe
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, NamedTuple
+
+from fivefold.cost.cache import IdentityCache
 from fivefold.cost.comm import SELF, GroupLink, Topology, all_reduce_time, topology_of
 from fivefold.cost.compute import Device
-from fivefold.cost.layer import LayerShape, PassCost, embedding_cost, head_cost, layer_cost, padded_vocab
+from fivefold.cost.layer import ZERO_PASS, LayerShape, PassCost, embedding_cost, head_cost, layer_cost, padded_vocab
 from fivefold.cost.memory import layer_activation_bytes, layer_transient_bytes
 from fivefold.cost.moe import expert_param_share
 from fivefold.cost.stack import SoftwareStack
-from fivefold.spec.plan import Plan
+from fivefold.spec.plan import MeshRanks, Plan, stage_owners  # noqa: F401 - stage_owners: the cost model's import point
+
+if TYPE_CHECKING:
+    from fivefold.spec.cluster import ClusterSpec
+    from fivefold.spec.model import ModelSpec
+    from fivefold.spec.train import TrainSpec
 
 
-class Layout:
+class Layout(MeshRanks):
     """A Plan's fields without validation or an explicit placement: what the planner enumerates.
 
-    The rank arithmetic is Plan's own (its methods are reused unbound), so both agree by construction.
+    The rank arithmetic is Plan's own (both are spec.plan.MeshRanks), so both agree by construction.
     """
 
     __slots__ = ("model", "cluster", "train", "dp", "tp", "pp", "cp", "ep", "zero", "micro_batch",
                  "schedule", "virtual_stages", "layers_per_stage", "recompute", "sequence_parallel",
                  "placement", "num_micro_batches", "replica_micro_batches")
+    if TYPE_CHECKING:  # the slots' types (Plan's fields of the same names)
+        model: ModelSpec
+        cluster: ClusterSpec
+        train: TrainSpec
+        dp: int
+        tp: int
+        pp: int
+        cp: int
+        ep: int
+        zero: int
+        micro_batch: int
+        schedule: str
+        virtual_stages: int
+        layers_per_stage: tuple[int, ...]
+        recompute: str
+        sequence_parallel: bool
+        placement: tuple[int, ...]  # () = the identity
+        num_micro_batches: int
+        replica_micro_batches: tuple[int, ...]
 
-    rank_of = Plan.rank_of
-    coords = Plan.coords
-    group_ranks = Plan.group_ranks
-    stage_owner = Plan.stage_owner
-    stages_of = Plan.stages_of
 
     def __init__(self, **fields: object) -> None:
         for name in self.__slots__:
             setattr(self, name, fields[name])
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp * self.virtual_stages
 
     @property
     def world_size(self) -> int:
@@ -69,7 +87,18 @@ def pacing_replica(layout: Layout) -> int:
     return max(range(layout.dp), key=lambda dp: (layout.replica_micro_batches[dp] / slowest(dp), -dp))
 
 
-_LAYER_CACHE: dict[tuple, tuple[PassCost, PassCost, PassCost, float, float]] = {}
+class LayerCosts(NamedTuple):
+    """What one micro-batch costs on one pipeline rank, per piece of the model (cost/layer.py's PassCosts)."""
+
+    layer: PassCost  # one transformer layer
+    embedding: PassCost
+    head: PassCost  # final norm, LM head and loss
+    activation: float  # bytes one layer stores per in-flight micro-batch
+    transient: float  # working bytes of one layer's passes
+    per_chunk: PassCost = ZERO_PASS  # once per stage model on the rank (an eager runtime's host costs)
+
+
+_LAYER_CACHE: IdentityCache[LayerCosts] = IdentityCache(20000)  # keyed by value (owner None)
 
 
 class RankEnv:
@@ -87,21 +116,17 @@ def _device_index(layout: Layout, rank: int) -> int:
     return layout.placement[rank] if layout.placement else rank
 
 
-_ENV_CACHE: dict[tuple, tuple[Topology, list[RankEnv]]] = {}
+_ENV_CACHE: IdentityCache[list[RankEnv]] = IdentityCache(4096)
 
 
 def rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
     """Device and links of every pipeline rank (cached: the planner asks for each placement many times)."""
-    key = (id(topology), layout.train.dtype, layout.dp, layout.tp, layout.pp, layout.cp, layout.ep,
-           layout.placement, layout.replica_micro_batches)
-    cached = _ENV_CACHE.get(key)
-    if cached is not None and cached[0] is topology:
-        return cached[1]
-    envs = _build_rank_envs(layout, topology)
-    if len(_ENV_CACHE) > 4096:
-        _ENV_CACHE.clear()
-    _ENV_CACHE[key] = (topology, envs)
-    return envs
+    key = (layout.train.dtype, layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.placement,
+           layout.replica_micro_batches)
+    cached = _ENV_CACHE.get(topology, key)
+    if isinstance(cached, list):
+        return cached
+    return _ENV_CACHE.put(topology, key, _build_rank_envs(layout, topology))
 
 
 def _congruent(stride: int, members: int, per_node: int) -> bool:
@@ -175,32 +200,31 @@ def _build_rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
     return envs
 
 
-def layer_costs(layout: Layout, env: RankEnv, stack: SoftwareStack):
-    """(layer, embedding, head) PassCosts and (activation, transient) bytes of one layer, cached."""
+def layer_costs(layout: Layout, env: RankEnv, stack: SoftwareStack) -> LayerCosts:
+    """The PassCosts and bytes of one layer, the embedding and the head on a rank like `env`, cached."""
     shape = LayerShape(layout.model, layout.train.seq_len, layout.micro_batch, layout.tp, layout.cp, layout.ep,
                        layout.sequence_parallel, layout.recompute, layout.train.expert_imbalance)
     device = env.device
     key = (shape, device.spec.name, device.peak, device.fp8_gemm_peak, device.bandwidth, device.element_bytes,
            device.gemm_curve, stack,
            env.tp, env.cp, env.ep)
-    cached = _LAYER_CACHE.get(key)
-    if cached is None:
-        if len(_LAYER_CACHE) > 20000:
-            _LAYER_CACHE.clear()
-        dropout = stack.uses_dropout(layout.model)
-        cached = (layer_cost(shape, device, stack, env.tp, env.cp, env.ep),
-                  embedding_cost(shape, device, stack, env.tp), head_cost(shape, device, stack, env.tp),
-                  layer_activation_bytes(shape, dropout, stack.attention, device.element_bytes,
-                                         stack.selective_saves_ops, stack.selective_saves_every_matmul),
-                  layer_transient_bytes(shape, dropout, stack.attention, device.element_bytes))
-        _LAYER_CACHE[key] = cached
-    return cached
+    cached = _LAYER_CACHE.get(None, key)
+    if isinstance(cached, LayerCosts):
+        return cached
+    dropout = stack.uses_dropout(layout.model)
+    return _LAYER_CACHE.put(None, key, LayerCosts(
+        layer_cost(shape, device, stack, env.tp, env.cp, env.ep), embedding_cost(shape, device, stack, env.tp),
+        head_cost(shape, device, stack, env.tp),
+        layer_activation_bytes(shape, dropout, stack.attention, device.element_bytes, stack.selective_saves_ops,
+                               stack.selective_saves_every_matmul),
+        layer_transient_bytes(shape, dropout, stack.attention, device.element_bytes)))
 
 
 def layer_work(layout: Layout, stack: SoftwareStack) -> tuple[PassCost, PassCost, PassCost]:
     """(one layer, embedding, LM head) costs for one micro-batch on pipeline rank 0 (the planner's bounds)."""
     env = rank_envs(layout, topology_of(layout.cluster))[0]
-    return layer_costs(layout, env, stack)[:3]
+    costs = layer_costs(layout, env, stack)
+    return costs.layer, costs.embedding, costs.head
 
 
 def stage_params(layout: Layout, layers: int, first: bool, last: bool,
@@ -227,14 +251,24 @@ def stage_params(layout: Layout, layers: int, first: bool, last: bool,
     return dense, expert
 
 
-_OWNERS: dict[tuple, list[int]] = {}
+class RankGroup:
+    """Pipeline ranks that do identical work: same layers, same ends of the model, same device."""
 
+    __slots__ = ("ranks", "env", "layers", "first", "last", "chunks", "cost", "work", "dense", "expert",
+                 "activation")
 
-def stage_owners(schedule: str, pp: int, virtual_stages: int) -> list[int]:
-    """The pipeline rank of every virtual stage (Plan.stage_owner), cached."""
-    key = (schedule, pp, virtual_stages)
-    if key not in _OWNERS:
-        shape = Layout(**{name: None for name in Layout.__slots__})
-        shape.schedule, shape.pp, shape.virtual_stages = schedule, pp, virtual_stages
-        _OWNERS[key] = [shape.stage_owner(i) for i in range(pp * virtual_stages)]
-    return _OWNERS[key]
+    def __init__(self, layout: Layout, stack: SoftwareStack, env: RankEnv, costs: LayerCosts, layers: int,
+                 first: bool, last: bool, chunks: int, extra_activation: float) -> None:
+        layer, embedding, head, activation, _, per_chunk = costs
+        self.ranks: list[int] = []  # shared with the cached pipeline shape: never mutate
+        self.env, self.layers, self.first, self.last, self.chunks = env, layers, first, last, chunks
+        cost = layer.scaled(layers) + per_chunk.scaled(chunks)
+        if first:
+            cost = cost + embedding
+        if last:
+            cost = cost + head
+        self.cost = cost
+        self.work = (cost.forward, cost.backward_input + cost.recompute, cost.backward_weight)
+        # Stage params are linear in layers, so the rank's sum is one call with its totals.
+        self.dense, self.expert = stage_params(layout, layers, first, last, holds_embedding=first)
+        self.activation = layers * activation + (extra_activation if first else 0.0)

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 
 from fivefold.cost.layer import LayerShape
 from fivefold.cost.moe import split_by_layer_kind
-
-GIB = 2**30
+from fivefold.spec.units import GIB
 
 
 def zero_model_state_bytes(num_params: float, dtype: str, zero: int, shard: int,

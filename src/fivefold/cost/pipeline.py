@@ -53,6 +53,7 @@ chunks both ways, two at p = 2).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 from fivefold.cost.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, rank_orders,
                                      stage_owners as order_owners)
@@ -124,7 +125,8 @@ def schedule_time(schedule: str, pp: int, virtual_stages: int, micro_batches: in
     (forward, backward_input, backward_weight) per micro-batch, without communication (module docstring)."""
     v = virtual_stages
     chunk = (forward, backward_input, backward_weight)
-    return rank_path_time(schedule, pp, v, micro_batches, tuple(v * x for x in chunk), chunk)
+    return rank_path_time(schedule, pp, v, micro_batches, (v * forward, v * backward_input, v * backward_weight),
+                          chunk)
 
 
 def critical_hops(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
@@ -178,8 +180,8 @@ def pipeline_time(schedule: str, pp: int, virtual_stages: int, micro_batches: in
         return PipelineTime(busy, busy, 0.0, 0.0)
     sums = [sum(n * x[i] for n, x in zip(counts, rank_work)) for i in range(3)]
     chunks = (p - 1) * v
-    longest = max(rank_path_time(schedule, p, v, m, work, tuple((total - own) / chunks for total, own in
-                                                                 zip(sums, work)), p - 1 in members)
+    longest = max(rank_path_time(schedule, p, v, m, work, ((sums[0] - work[0]) / chunks, (sums[1] - work[1]) / chunks,
+                                                          (sums[2] - work[2]) / chunks), p - 1 in members)
                   for work, members in zip(rank_work, ranks))
     once, cycle, cycles = critical_hops(schedule, p, v, m, async_p2p)
     # The steady state runs at the slower of the slowest rank and the cycle through all ranks, whose
@@ -260,7 +262,7 @@ WALK_SCHEDULES = ("interleaved-1f1b", "zbv")  # several chunks per rank: equal c
 
 
 def walked_pipeline(pipe: PipelineTime, schedule: str, pp: int, virtual_stages: int, micro_batches: int,
-                    stages: list[tuple[float, float, float, float]], owners: list[int],
+                    stages: list[tuple[float, float, float, float]], owners: Sequence[int],
                     async_p2p: bool = True) -> PipelineTime:
     """`pipe` (the closed form) with its total taken from walk_orders where the closed form does not hold:
     interleaved or ZB-V ranks whose chunks differ (uneven layers per stage, the embedding or LM head on
@@ -288,7 +290,7 @@ def walked_pipeline(pipe: PipelineTime, schedule: str, pp: int, virtual_stages: 
 
 
 def walked_pipelines(pipe: PipelineTime, held: float, schedule: str, pp: int, virtual_stages: int,
-                     micro_batches: int, stages: list[tuple[float, float, float, float]], owners: list[int],
+                     micro_batches: int, stages: list[tuple[float, float, float, float]], owners: Sequence[int],
                      held_by: list[list[float]], async_p2p: bool = True) -> tuple[PipelineTime, float]:
     """walked_pipeline of `pipe`, and of the pipeline whose passes data-parallel collectives hold up (`held`
     in closed form; `held_by[i]` = how much longer stage i's F, B and W take, as its rank's): both unchanged

@@ -30,6 +30,7 @@ from functools import lru_cache
 from typing import NamedTuple, Sequence
 
 from fivefold.errors import SpecError
+from fivefold.spec.plan import SPLIT_BACKWARD  # noqa: F401 - re-exported for the simulator
 
 FORWARD = "F"  # forward of one stage for one micro-batch
 BACKWARD = "B"  # full backward (input and weight gradients together)
@@ -39,7 +40,6 @@ BACKWARD_WEIGHT = "W"  # zero-bubble schedules: weight-gradient half, free to ru
 TORCH_SCHEDULE_CLASS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
                         "interleaved-1f1b": "ScheduleInterleaved1F1B",
                         "zb-h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
-SPLIT_BACKWARD = ("zb-h1", "zbv")  # schedules that run I and W apart
 
 
 class Action(NamedTuple):

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from fivefold.cost.cache import IdentityCache
 from fivefold.errors import SpecError
 from fivefold.spec.model import ModelSpec
+from fivefold.spec.units import GIB
 
-GIB = 2**30
 ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
 
 
@@ -298,10 +299,9 @@ def data_parallel_sync(stack: SoftwareStack, zero: int, pp: int) -> DataParallel
     every pass and gathers them again (FSDP). A stack with `pipeline_defers_grad_sync` under pp > 1
     reduces once per step at every level, blocking, and keeps weights gathered from a backward until the
     next forward."""
-    key = (id(stack), zero, pp > 1)
-    cached = _SYNC.get(key)
-    if cached is not None and cached[0] is stack:
-        return cached[1]
+    cached = _SYNC.get(stack, (zero, pp > 1))
+    if isinstance(cached, DataParallelSync):
+        return cached
     defer = stack.pipeline_defers_grad_sync and pp > 1
     after_backward = not defer and (zero == 3 or (zero == 2 and stack.zero2_reshards_after_backward))
     sync = DataParallelSync(
@@ -309,8 +309,7 @@ def data_parallel_sync(stack: SoftwareStack, zero: int, pp: int) -> DataParallel
         gathers_weights=zero >= 1, reshard_after_forward=zero == 3, reshard_after_backward=after_backward,
         gather_overlapped=stack.overlap_param_gather, grads_sharded=zero >= 2 and not defer,
         keeps_gathered=zero == 3 and defer)
-    _SYNC[key] = (stack, sync)
-    return sync
+    return _SYNC.put(stack, (zero, pp > 1), sync)
 
 
-_SYNC: dict[tuple, tuple[SoftwareStack, DataParallelSync]] = {}  # the planner asks ~10^5 times
+_SYNC: IdentityCache[DataParallelSync] = IdentityCache(4096)  # the planner asks ~10^5 times

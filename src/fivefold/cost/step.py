@@ -36,94 +36,23 @@ less the headroom. What the stack does with gradients and weights is cost.stack.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
-from fivefold.cost.comm import Topology, p2p_time, topology_of
+from fivefold.cost.cache import IdentityCache
+from fivefold.cost.comm import Topology, all_reduce_time, p2p_time, topology_of
 from fivefold.cost.dataparallel import (data_parallel_time, fsdp_host_time, optimizer_host_time, optimizer_time,
                                        parameter_tensors)
 from fivefold.cost.flops import hardware_flops_per_step, model_flops_per_step
 from fivefold.cost.host import bookkeeping_time, with_host_costs
 from fivefold.cost.layer import padded_vocab
-from fivefold.cost.layout import (Layout, RankEnv, layer_costs, layer_work, rank_envs, stage_owners,  # noqa: F401
+from fivefold.cost.layout import (Layout, LayerCosts, RankEnv, RankGroup, layer_costs, rank_envs, stage_owners,
                                   stage_params)
-from fivefold.cost.memory import GIB, RankMemory, in_flight_chunks, zero_model_state_bytes
-from fivefold.cost.pipeline import pipeline_time, walked_pipelines
+from fivefold.cost.memory import RankMemory, in_flight_chunks, zero_model_state_bytes
+from fivefold.cost.pipeline import PipelineTime, pipeline_time, walked_pipelines
+from fivefold.cost.results import Estimate, Score, StageCost
 from fivefold.cost.stack import STACKS, SoftwareStack, data_parallel_sync, on_host_profiled_cpu
 from fivefold.spec.plan import Plan
-
-
-@dataclass(frozen=True)
-class StageCost:
-    """One virtual stage, one micro-batch: seconds and bytes (see the module docstring)."""
-
-    forward: float  # forward compute + its exposed (non-overlapped) TP/CP/EP communication
-    backward_input: float  # input-gradient part of backward (+ the recompute forward when recompute != none)
-    backward_weight: float  # weight-gradient part of backward
-    send_activation: float  # p2p time of one micro-batch's activation to the next stage (gradient back: same)
-    activation_bytes: float  # memory held per in-flight micro-batch on this stage
-    static_bytes: float  # params + grads + optimizer states (+ embedding/LM head on first/last stage)
-    layers: int = 0  # transformer layers in this stage
-    pp_rank: int = 0  # the pipeline rank that runs it
-    recompute: float = 0.0  # compute seconds of the recompute forward inside backward_input
-    tp_comm: float = 0.0  # TP communication seconds inside forward + backward_input
-    cp_comm: float = 0.0  # context-parallel communication seconds inside forward + backward_input
-    ep_comm: float = 0.0  # expert-parallel all-to-all seconds inside forward + backward_input
-    host_overhead: float = 0.0  # seconds the GPU waits on kernel launches inside the passes
-
-
-@dataclass
-class Estimate:
-    """What one plan costs. All times in seconds per optimizer step unless named otherwise."""
-
-    describe: str  # Plan.describe() of the plan
-    world_size: int
-    micro_batches: int  # per replica per step
-    step_time_s: float
-    tokens_per_s: float
-    model_tflops_per_gpu: float  # model FLOPs (no recompute) per second per GPU, in TFLOP/s
-    hardware_tflops_per_gpu: float  # including recompute
-    mfu: float  # model FLOPs / (step time x world size x peak FLOP/s of the dtype)
-    bubble_fraction: float  # share of the step the slowest pipeline rank idles in fill and drain
-    fits: bool  # every rank's peak memory within its device memory less the headroom
-    memory: RankMemory  # the rank with the highest peak
-    peak_pp_rank: int  # which pipeline rank that is
-    capacity_bytes: float  # usable device memory of that rank (after headroom)
-    rank_memory: list[RankMemory]  # per pipeline rank
-    stage_costs: list[StageCost]  # per virtual stage, model order
-    pipeline_s: float
-    bubble_s: float
-    pp_comm_s: float
-    dp_comm_s: float  # total data-parallel / ZeRO communication of one rank per step
-    dp_comm_exposed_s: float  # the part not hidden behind compute
-    optimizer_s: float
-    breakdown_s: dict[str, float] = field(default_factory=dict)  # sums to step_time_s
-    stack: str = "modern"
-    notes: list[str] = field(default_factory=list)  # one line each: what the stack cannot run, extrapolation
-    error_band: float | None = None  # expected relative error of the step time (development-set residuals)
-    mfu_basis: str = ""  # which peak MFU is counted against ("bf16 peak" under fp8)
-
-    def to_dict(self) -> dict:
-        """The `fivefold estimate --json` object."""
-        memory = self.memory.to_dict()
-        return {
-            "plan": self.describe, "world_size": self.world_size, "micro_batches": self.micro_batches,
-            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
-            "tokens_per_s_per_gpu": self.tokens_per_s / self.world_size,
-            "model_tflops_per_gpu": self.model_tflops_per_gpu,
-            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu, "mfu": self.mfu,
-            "bubble_fraction": self.bubble_fraction, "fits": self.fits,
-            "memory_gib": {"peak_per_rank": memory.pop("peak"), **memory, "capacity": self.capacity_bytes / GIB,
-                           "peak_pp_rank": self.peak_pp_rank,
-                           "per_pp_rank": [round(m.total / GIB, 3) for m in self.rank_memory]},
-            "breakdown_s": dict(self.breakdown_s),
-            "dp_comm_s": self.dp_comm_s, "dp_comm_exposed_s": self.dp_comm_exposed_s,
-            "optimizer_s": self.optimizer_s, "pipeline_s": self.pipeline_s, "stack": self.stack,
-            "notes": list(self.notes), "error_band": self.error_band, "mfu_basis": self.mfu_basis,
-            "stages": [{"pp_rank": s.pp_rank, "layers": s.layers, "forward_s": s.forward,
-                        "backward_input_s": s.backward_input, "backward_weight_s": s.backward_weight,
-                        "send_activation_s": s.send_activation, "activation_gib": s.activation_bytes / GIB,
-                        "static_gib": s.static_bytes / GIB} for s in self.stage_costs],
-        }
 
 
 def estimate(plan: Plan, stack: SoftwareStack | None = None, headroom: float = 0.0) -> Estimate:
@@ -135,49 +64,67 @@ def estimate(plan: Plan, stack: SoftwareStack | None = None, headroom: float = 0
     return annotate(estimate_layout(Layout.of_plan(plan), stack, headroom, plan.describe()), plan, stack)
 
 
-# --- the pieces -----------------------------------------------------------------------------------
+@dataclass
+class _StepCosts:
+    """What Score and Estimate are made of (see _step_costs)."""
 
-@dataclass(frozen=True)
-class Score:
-    """What the planner ranks by: estimate_layout(..., detail=False)."""
-
-    step_time_s: float
-    peak_bytes: float  # the highest per-rank peak
-    peak_ratio: float  # highest peak / usable memory of that rank (<= 1 fits)
-    peak_pp_rank: int
+    groups: list[RankGroup]  # pipeline ranks that do identical work, in pipeline order of their first rank
+    envs: list[RankEnv]  # per pipeline rank
+    pipe: PipelineTime
+    dp_comm_s: float
+    dp_exposed_s: float
+    optimizer_s: float
+    step_s: float
+    stages: list[StageCost]  # per virtual stage (detail only)
+    memory_parts: Callable[[RankGroup, int], list[float]]  # a group's memory on one of its ranks (RankMemory's)
+    peak_group: RankGroup  # the group whose first rank is fullest relative to its memory
+    peak_parts: list[float]
+    peak_ratio: float
     fits: bool
+    stack: SoftwareStack  # the stack costed with (on profiled CPU ranks the stack's CPU variant)
 
 
-class RankGroup:
-    """Pipeline ranks that do identical work: same layers, same ends of the model, same device."""
-
-    __slots__ = ("ranks", "env", "layers", "first", "last", "chunks", "cost", "work", "dense", "expert",
-                 "activation")
-
-    def __init__(self, layout: Layout, stack: SoftwareStack, env: RankEnv, costs: tuple, layers: int,
-                 first: bool, last: bool, chunks: int, extra_activation: float) -> None:
-        layer, embedding, head, activation, _, per_chunk = costs
-        self.ranks: list[int] = []  # shared with the cached pipeline shape: never mutate
-        self.env, self.layers, self.first, self.last, self.chunks = env, layers, first, last, chunks
-        cost = layer.scaled(layers) + per_chunk.scaled(chunks)
-        if first:
-            cost = cost + embedding
-        if last:
-            cost = cost + head
-        self.cost = cost
-        self.work = (cost.forward, cost.backward_input + cost.recompute, cost.backward_weight)
-        # Stage params are linear in layers, so the rank's sum is one call with its totals.
-        self.dense, self.expert = stage_params(layout, layers, first, last, holds_embedding=first)
-        self.activation = layers * activation + (extra_activation if first else 0.0)
+def score_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0) -> Score:
+    """What the planner ranks by: the step time and the fullest rank's memory, without per-stage detail."""
+    costs = _step_costs(layout, stack, headroom, detail=False)
+    return Score(costs.step_s, sum(costs.peak_parts), costs.peak_ratio, costs.peak_group.ranks[0], costs.fits)
 
 
-def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0, describe: str = "",
-                    detail: bool = True) -> Estimate | Score:
-    """estimate() on a Layout (the planner's unvalidated form of a Plan); detail=False returns a Score.
+def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0, describe: str = "") -> Estimate:
+    """estimate() on a Layout: the step with per-stage costs, per-rank memory, MFU and the time breakdown."""
+    costs = _step_costs(layout, stack, headroom, detail=True)
+    p, m_batches, pipe, step = layout.pp, layout.num_micro_batches, costs.pipe, costs.step_s
+    group_of_rank = {r: g for g in costs.groups for r in g.ranks}
+    rank_memory = [RankMemory(*costs.memory_parts(group_of_rank[r], r)) for r in range(p)]
+    train, world = layout.train, layout.world_size
+    model_flops = model_flops_per_step(layout.model, train)
+    hardware_flops = hardware_flops_per_step(layout.model, train, layout.recompute)
+    peak_sum = sum(costs.envs[r].device.peak for r in range(p)) * (world // p)
+    slowest = max(costs.groups, key=lambda g: sum(g.work)).cost
+    comm = {kind: m_batches * getattr(slowest, kind) for kind in ("tp_comm", "cp_comm", "ep_comm")}
+    recompute = m_batches * slowest.recompute_compute
+    host = m_batches * slowest.host_excess
+    compute = pipe.busy - sum(comm.values()) - recompute - host
+    breakdown = {"compute": compute, "recompute": recompute, **comm, "host_overhead": host, "pp_comm": pipe.p2p,
+                 "bubble": pipe.bubble, "dp_comm": costs.dp_exposed_s, "optimizer": costs.optimizer_s}
+    return Estimate(
+        describe=describe, world_size=world, micro_batches=m_batches, step_time_s=step,
+        tokens_per_s=train.tokens_per_step / step, model_tflops_per_gpu=model_flops / step / world / 1e12,
+        hardware_tflops_per_gpu=hardware_flops / step / world / 1e12, mfu=model_flops / (step * peak_sum),
+        bubble_fraction=pipe.bubble / step, fits=costs.fits, memory=RankMemory(*costs.peak_parts),
+        peak_pp_rank=costs.peak_group.ranks[0], capacity_bytes=costs.peak_group.env.capacity * (1 - headroom),
+        rank_memory=rank_memory, stage_costs=costs.stages, pipeline_s=pipe.total, bubble_s=pipe.bubble,
+        pp_comm_s=pipe.p2p, dp_comm_s=costs.dp_comm_s, dp_comm_exposed_s=costs.dp_exposed_s,
+        optimizer_s=costs.optimizer_s, breakdown_s=breakdown, stack=costs.stack.name)
+
+
+def _step_costs(layout: Layout, stack: SoftwareStack, headroom: float, detail: bool) -> _StepCosts:
+    """The step of a Layout (the planner's unvalidated form of a Plan), as far as Score needs it; with
+    `detail` also per stage, and the pipeline walked through torch's orders where a rank's chunks differ.
 
     Work, parameters and activations of a pipeline rank are linear in its layer count plus the
     embedding / LM head it may hold, so ranks with equal (layers, ends, device) form one group and are
-    costed once; the per-stage list is only built with detail=True.
+    costed once.
     """
     topology = topology_of(layout.cluster)
     envs = rank_envs(layout, topology)
@@ -198,7 +145,7 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
     # The slowest activation transfer between consecutive stages on different ranks.
     hop = max((p2p_time(activation_message, link) for link in hop_links), default=0.0)
 
-    costs_of: dict[int, tuple] = {}
+    costs_of: dict[int, LayerCosts] = {}
     ordered = []
     for layers, first, last, chunks, env, ranks in shapes:
         if id(env) not in costs_of:
@@ -233,6 +180,7 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
     sync = data_parallel_sync(stack, layout.zero, p)
     # FSDP2 with gradient sync off (pp > 1) accumulates the unsharded gradients in its reduce dtype.
     unsharded_grad_bytes = stack.gradient_bytes(layout.train.dtype) if stack.pipeline_defers_grad_sync else 0
+    stages: list[StageCost] = []
     if detail:  # per-stage costs; where a rank's chunks differ, the pipeline walks torch's orders
         stages = _stage_list(layout, stack, envs, costs_of, owners, first_ranks, topology, activation_message,
                              embedding_activation, replica_shard, expert_shard, sync.grads_sharded,
@@ -264,7 +212,7 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
         parts.append(chunks * group.activation / group.chunks)
         # ZeRO-3 holds the layers being gathered, or, kept gathered between passes, all of the rank's.
         gathered = (group.dense + group.expert) * e if sync.keeps_gathered else layer_weights
-        working = costs_of[id(group.env)][4] + gathered + (logits if group.last else 0.0)
+        working = costs_of[id(group.env)].transient + gathered + (logits if group.last else 0.0)
         if stack.pipeline_keeps_outputs and p > 1:  # receive buffers: input and output gradient, per micro-batch
             hops = 2 * group.chunks - (1 if group.first else 0) - (1 if group.last else 0)
             working += hops * m_batches * activation_message
@@ -284,31 +232,8 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
         fits = fits and sum(parts) <= usable
         if sum(parts) / usable > peak_ratio:
             peak_group, peak_parts, peak_ratio = group, parts, sum(parts) / usable
-    if not detail:
-        return Score(step, sum(peak_parts), peak_ratio, peak_group.ranks[0], fits)
-
-    group_of_rank = {r: g for g in ordered for r in g.ranks}
-    rank_memory = [RankMemory(*memory_parts(group_of_rank[r], r)) for r in range(p)]
-    train, world = layout.train, layout.world_size
-    model_flops = model_flops_per_step(layout.model, train)
-    hardware_flops = hardware_flops_per_step(layout.model, train, layout.recompute)
-    peak_sum = sum(envs[r].device.peak for r in range(p)) * (world // p)
-    slowest = max(ordered, key=lambda g: sum(g.work)).cost
-    comm = {kind: m_batches * getattr(slowest, kind) for kind in ("tp_comm", "cp_comm", "ep_comm")}
-    recompute = m_batches * slowest.recompute_compute
-    host = m_batches * slowest.host_excess
-    compute = pipe.busy - sum(comm.values()) - recompute - host
-    breakdown = {"compute": compute, "recompute": recompute, **comm, "host_overhead": host,
-                 "pp_comm": pipe.p2p, "bubble": pipe.bubble, "dp_comm": dp_exposed, "optimizer": optimizer}
-    return Estimate(
-        describe=describe, world_size=world, micro_batches=m_batches, step_time_s=step,
-        tokens_per_s=train.tokens_per_step / step, model_tflops_per_gpu=model_flops / step / world / 1e12,
-        hardware_tflops_per_gpu=hardware_flops / step / world / 1e12, mfu=model_flops / (step * peak_sum),
-        bubble_fraction=pipe.bubble / step, fits=fits, memory=RankMemory(*peak_parts),
-        peak_pp_rank=peak_group.ranks[0], capacity_bytes=peak_group.env.capacity * (1 - headroom),
-        rank_memory=rank_memory, stage_costs=stages, pipeline_s=pipe.total, bubble_s=pipe.bubble,
-        pp_comm_s=pipe.p2p, dp_comm_s=data.total, dp_comm_exposed_s=dp_exposed, optimizer_s=optimizer,
-        breakdown_s=breakdown, stack=stack.name)
+    return _StepCosts(ordered, envs, pipe, data.total, dp_exposed, optimizer, step, stages, memory_parts, peak_group,
+                      peak_parts, peak_ratio, fits, stack)
 
 
 def kept_output_bytes(stack: SoftwareStack, element_bytes: int) -> int:
@@ -319,20 +244,20 @@ def kept_output_bytes(stack: SoftwareStack, element_bytes: int) -> int:
     return 4 if stack.logits_fp32_output else element_bytes
 
 
-_SHAPES: dict[tuple, tuple] = {}
+_SHAPES: IdentityCache[tuple] = IdentityCache(8192)
 
 
-def _pipeline_shape(layout: Layout, topology: Topology, envs: list[RankEnv], owners: list[int],
+def _pipeline_shape(layout: Layout, topology: Topology, envs: list[RankEnv], owners: Sequence[int],
                     block: int) -> tuple[list[int], list, list[tuple]]:
     """(first device of each pp rank, the distinct links between consecutive stages on different ranks,
     the rank groups as (layers, first, last, chunks, env, ranks)), cached: the planner asks for the same
     pipeline shape with many micro-batch sizes, ZeRO levels and recompute policies."""
     p = layout.pp
-    key = (id(topology), id(envs), layout.schedule, p, layout.virtual_stages, block, layout.placement,
-           layout.layers_per_stage)
-    cached = _SHAPES.get(key)
-    if cached is not None and cached[0] is topology and cached[1] is envs:
-        return cached[2]
+    # envs are built for one topology (layout.rank_envs), so they stand for it in the key.
+    key = (layout.schedule, p, layout.virtual_stages, block, layout.placement, layout.layers_per_stage)
+    cached = _SHAPES.get(envs, key)
+    if isinstance(cached, tuple):
+        return cached
     first_ranks = [layout.placement[r * block] if layout.placement else r * block for r in range(p)]
     layers_of, chunks_of = [0] * p, [0] * p
     for owner, layers in zip(owners, layout.layers_per_stage):
@@ -352,14 +277,10 @@ def _pipeline_shape(layout: Layout, topology: Topology, envs: list[RankEnv], own
         if group_key not in groups:
             groups[group_key] = (*group_key[:4], envs[r], [])
         groups[group_key][5].append(r)
-    if len(_SHAPES) > 8192:
-        _SHAPES.clear()
-    result = (first_ranks, list(links.values()), list(groups.values()))
-    _SHAPES[key] = (topology, envs, result)
-    return result
+    return _SHAPES.put(envs, key, (first_ranks, list(links.values()), list(groups.values())))
 
 
-def _stage_list(layout: Layout, stack: SoftwareStack, envs: list[RankEnv], costs_of: dict, owners: list[int],
+def _stage_list(layout: Layout, stack: SoftwareStack, envs: list[RankEnv], costs_of: dict, owners: Sequence[int],
                 first_ranks: list[int], topology: Topology, activation_message: float,
                 embedding_activation: float, replica_shard: int, expert_shard: int,
                 grads_sharded: bool, unsharded_grad_bytes: float = 0) -> list[StageCost]:

@@ -6,7 +6,8 @@ cluster (mixed.py) it also places the ranks (stages or replicas on groups), spli
 device's speed and memory, and explains the placement (SearchResult.placement).
 """
 
-from fivefold.planner.search import Candidate, NoFeasiblePlan, SearchResult, search
+from fivefold.planner.candidates import Candidate, NoFeasiblePlan, SearchResult
+from fivefold.planner.search import search
 from fivefold.planner.space import Choices, balanced_layers
 
 __all__ = ["Candidate", "Choices", "NoFeasiblePlan", "SearchResult", "balanced_layers", "search"]

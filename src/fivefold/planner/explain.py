@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from fivefold.planner.search import Candidate
+from fivefold.spec.units import GIB
 
-GIB = 2**30
+if TYPE_CHECKING:
+    from fivefold.planner.candidates import Candidate
+
 
 FIELDS = ("dp", "tp", "pp", "cp", "ep", "micro_batch", "schedule", "zero", "recompute", "sequence_parallel")
 LABELS = {"micro_batch": "micro-batch", "sequence_parallel": "sequence parallel"}
@@ -102,10 +103,8 @@ def _groups_of(plan, ranks) -> set[int]:
 def holdings(plan) -> tuple[str, str]:
     """(kind, text): which cluster group holds which pipeline stages ("stages") or data-parallel replicas
     ("replicas"), e.g. "stages 0-1 (36 layers) on 2x8xA100-80GB, stages 2-3 (44 layers) on 2x8xH100-SXM"."""
-    inner = plan.dp * plan.cp * plan.tp
-    stage_groups = [_groups_of(plan, range(r * inner, (r + 1) * inner)) for r in range(plan.pp)]
-    replica_groups = [_groups_of(plan, [plan.rank_of(pp=p, dp=d, cp=c, tp=t) for p in range(plan.pp)
-                                        for c in range(plan.cp) for t in range(plan.tp)]) for d in range(plan.dp)]
+    stage_groups = [_groups_of(plan, plan.pipeline_ranks(r)) for r in range(plan.pp)]
+    replica_groups = [_groups_of(plan, plan.replica_ranks(d)) for d in range(plan.dp)]
     labels = [g.label for g in plan.cluster.groups]
     if len(set(labels)) < len(labels):  # e.g. two CPU groups that differ only in `speed`
         labels = [f"group {i} ({label})" for i, label in enumerate(labels)]

@@ -27,13 +27,15 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from fivefold.cost.cache import IdentityCache
 from fivefold.cost.comm import SELF, Topology, topology_of
 from fivefold.cost.compute import Device
 from fivefold.cost.layout import Layout, RankEnv, layer_costs, rank_envs, stage_owners
 from fivefold.cost.stack import SoftwareStack
-from fivefold.cost.step import Score
+from fivefold.cost.results import Score
 from fivefold.planner.space import balanced_layers, balanced_replicas
 from fivefold.spec.cluster import ClusterSpec, NodeGroup
+from fivefold.spec.plan import mesh_rank
 
 STAGES, REPLICAS = "stages", "replicas"
 
@@ -97,28 +99,28 @@ def placement_options(cluster: ClusterSpec, dp: int, tp: int, pp: int, cp: int) 
         out.append(PlacementOption(STAGES, order, () if devices == identity else devices))
     if dp > 1:
         ordered = _devices_in_order(cluster, tuple(range(len(cluster.groups))))
-        devices = [0] * cluster.world_size
+        by_rank = [0] * cluster.world_size
         for p, d, c, t in itertools.product(range(pp), range(dp), range(cp), range(tp)):
-            rank = ((p * dp + d) * cp + c) * tp + t  # Plan.rank_of
-            devices[rank] = ordered[((d * pp + p) * cp + c) * tp + t]  # replica d on consecutive devices
+            rank = mesh_rank(dp, cp, tp, p, d, c, t)
+            by_rank[rank] = ordered[((d * pp + p) * cp + c) * tp + t]  # replica d on consecutive devices
         out.append(PlacementOption(REPLICAS, tuple(range(len(cluster.groups))),
-                                   () if tuple(devices) == identity else tuple(devices)))
+                                   () if tuple(by_rank) == identity else tuple(by_rank)))
     return out
 
 
 # --- per-group speed --------------------------------------------------------------------------------
 
-_GROUP_ENVS: dict[tuple, tuple[Topology, list[RankEnv]]] = {}
+_GROUP_ENVS: IdentityCache[list[RankEnv]] = IdentityCache(1024)
 
 
 def group_envs(layout: Layout) -> list[RankEnv]:
     """A pipeline rank's view of each cluster group: its device, and tp/cp groups on the group's first
     devices (inside a node when they fit; running on into the next group when the group is smaller)."""
     topology = topology_of(layout.cluster)
-    key = (id(topology), layout.train.dtype, layout.tp, layout.cp)
-    cached = _GROUP_ENVS.get(key)
-    if cached is not None and cached[0] is topology:
-        return cached[1]
+    key = (layout.train.dtype, layout.tp, layout.cp)
+    cached = _GROUP_ENVS.get(topology, key)
+    if isinstance(cached, list):
+        return cached
     envs: list[RankEnv] = []
     first, world = 0, layout.cluster.world_size
     for group in layout.cluster.groups:
@@ -127,16 +129,13 @@ def group_envs(layout: Layout) -> list[RankEnv]:
         device = Device(group.device, layout.train.dtype, group.calibration)
         envs.append(RankEnv(device, group.device.memory_bytes, tp_link, cp_link, SELF, SELF, SELF))
         first += group.world_size
-    if len(_GROUP_ENVS) > 1024:
-        _GROUP_ENVS.clear()
-    _GROUP_ENVS[key] = (topology, envs)
-    return envs
+    return _GROUP_ENVS.put(topology, key, envs)
 
 
 def group_costs(layout: Layout, stack: SoftwareStack) -> list[tuple]:
     """(layer, embedding, head) PassCosts of one micro-batch on each group's device. Expert all-to-all is
     left out (SELF), so for MoE layers these are lower bounds."""
-    return [layer_costs(layout, env, stack)[:3] for env in group_envs(layout)]
+    return [layer_costs(layout, env, stack)[:3] for env in group_envs(layout)]  # (layer, embedding, head)
 
 
 def _seconds(cost) -> float:
@@ -170,8 +169,7 @@ def replica_shares(layout: Layout, stack: SoftwareStack, micro_batches: int) -> 
     per_group = [_seconds(c[0]) for c in group_costs(layout, stack)]
     seconds = []
     for d in range(layout.dp):
-        ranks = [layout.rank_of(pp=p, dp=d, cp=c, tp=t) for p in range(layout.pp) for c in range(layout.cp)
-                 for t in range(layout.tp)]
+        ranks = layout.replica_ranks(d)
         groups = {topology.group_of[layout.placement[r] if layout.placement else r] for r in ranks}
         seconds.append(max(per_group[g] for g in groups))
     if max(seconds) <= min(seconds) * 1.0001:
@@ -190,8 +188,8 @@ def speed_balanced_layers(layout: Layout, stack: SoftwareStack,
     costs = [layer_costs(layout, env, stack) for env in envs]
     per_rank = [_seconds(c[0]) for c in costs]
     scale = min(per_rank)
-    first = _seconds(costs[owners[0]][1]) / scale
-    last = _seconds(costs[owners[-1]][2]) / scale
+    first = _seconds(costs[owners[0]].embedding) / scale
+    last = _seconds(costs[owners[-1]].head) / scale
     return balanced_layers(layout.model.layers, len(owners), round(first, 2), round(last, 2), owners,
                            [round(t / scale, 3) for t in per_rank], max_layers)
 

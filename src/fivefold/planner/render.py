@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from fivefold.spec.units import GIB
 
 if TYPE_CHECKING:
-    from fivefold.cost.step import Estimate
-    from fivefold.planner.search import SearchResult
+    from fivefold.cost.results import Estimate
+    from fivefold.planner.candidates import SearchResult
 
-GIB = 2**30
 BREAKDOWN_LABELS = {
     "compute": "compute (GEMMs, attention, element-wise)", "recompute": "activation recompute",
     "tp_comm": "tensor-parallel communication", "cp_comm": "context-parallel communication",
@@ -60,7 +61,7 @@ def estimate_renderables(estimate: Estimate, title: str) -> list:
     memory.add_column("GiB", justify="right")
     for key, value in estimate.memory.to_dict().items():
         memory.add_row(key, f"{value:.2f}")
-    out = [summary, breakdown, memory]
+    out: list = [summary, breakdown, memory]
     out.extend(f"note: {line}" for line in estimate.notes)
     if len(estimate.stage_costs) > 1:
         stages = Table(title="per stage, one micro-batch", title_justify="left")
@@ -94,7 +95,7 @@ def plan_renderables(result: SearchResult, title: str) -> list:
 
     mixed = bool(result.placement)
     table = Table(title=title, title_justify="left")
-    columns = [("#", "right"), ("plan", "left")] + ([("work split", "left")] if mixed else []) + [
+    columns: list[tuple[str, Any]] = [("#", "right"), ("plan", "left")] + ([("work split", "left")] if mixed else []) + [
         ("tokens/s", "right"), ("per GPU", "right"), ("MFU", "right"), ("GiB/GPU", "right"), ("bubble", "right"),
         ("step", "right"), ("error", "right")]
     for column, justify in columns:

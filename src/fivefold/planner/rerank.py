@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fivefold.errors import require
 from fivefold.planner.explain import explain_difference
-from fivefold.planner.search import SearchResult
+from fivefold.planner.candidates import SearchResult
 
 
 def rerank_by_simulation(result: SearchResult, n: int) -> None:

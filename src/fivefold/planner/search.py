@@ -14,7 +14,7 @@ Layers are split over stages to balance stage time (the embedding and LM head co
 On a mixed cluster (planner/mixed.py) every schedule is also tried in each placement: whole stages per
 group (layers in proportion to each stage's speed, capped by its memory) or whole replicas per group
 (micro-batches in proportion to speed); the bound of step 2 then shares the work over every group's
-speed. Every costed candidate uses cost.estimate_layout, the same code as `fivefold estimate`.
+speed. Every costed candidate uses cost.score_layout, the same code as `fivefold estimate`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ from typing import Callable
 from fivefold.cost.layout import Layout, layer_work, pacing_replica
 from fivefold.cost.pipeline import bubble_ratio
 from fivefold.cost.stack import STACKS, SoftwareStack
-from fivefold.cost.step import Estimate, Score, estimate, estimate_layout
-from fivefold.errors import FivefoldError, SpecError
+from fivefold.cost.results import Estimate, Score
+from fivefold.cost.step import estimate, score_layout
+from fivefold.errors import SpecError
+from fivefold.planner.candidates import Candidate, NoFeasiblePlan, SearchResult
 from fivefold.planner.explain import infeasible_message
 from fivefold.planner.mixed import (REPLICAS, STAGES, PlacementOption, fit_memory, is_mixed, placement_options,
                                     replica_shares, roomier, speed_balanced_layers, work_bound)
@@ -36,38 +38,9 @@ from fivefold.planner.space import (Choices, balanced_layers, check_stack_choice
                                     micro_batch_options, recompute_options, schedule_options, sequence_parallel_option, zero_options)
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.model import ModelSpec
-from fivefold.spec.plan import Plan, default_layers_per_stage
+from fivefold.spec.plan import Plan, default_layers_per_stage, stage_owners
 from fivefold.spec.train import TrainSpec
-
-GIB = 2**30
-
-
-class NoFeasiblePlan(FivefoldError):
-    """No layout fits in device memory; the message says how close the best one came and what to try."""
-
-
-@dataclass
-class Candidate:
-    """One ranked plan with its full estimate."""
-
-    plan: Plan
-    estimate: Estimate
-    simulated_step_time_s: float | None = None  # set by `plan --simulate-top` (planner/rerank.py)
-
-
-@dataclass
-class SearchResult:
-    candidates: list[Candidate]  # fastest first; every one fits
-    examined: int  # candidate plans considered (costed, or ruled out by a bound or dominance)
-    costed: int  # of those, how many were costed in full
-    seconds: float  # wall time of the search
-    explanation: str = ""  # why the best beats the runner-up
-    notes: list[str] = field(default_factory=list)
-    placement: list[str] = field(default_factory=list)  # mixed clusters: which group holds what, and why
-
-    @property
-    def candidates_per_s(self) -> float:
-        return self.examined / self.seconds if self.seconds > 0 else float("inf")
+from fivefold.spec.units import GIB
 
 
 # Near-ties go to the simpler plan: each extra moving part (context or expert parallelism, a pipeline,
@@ -118,7 +91,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
                         f"heads={model.heads} and kv_heads={model.kv_heads}, cp must divide seq_len={train.seq_len}, "
                         f"dp must divide global_batch={train.global_batch}")
     keep = max(top, 2)
-    best: list[_Found] = []  # max-heap by time (negated) of the `keep` fastest signatures
+    best: list[tuple[float, int, _Found]] = []  # max-heap by time (negated) of the `keep` fastest signatures
     examined = costed = 0
     smallest: tuple[float, Score, Layout] | None = None  # the plan closest to fitting
     last_report = started
@@ -129,7 +102,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
     def cost(layout: Layout) -> Score:
         nonlocal costed, smallest
         costed += 1
-        score = estimate_layout(layout, stack, headroom, detail=False)
+        score = score_layout(layout, stack, headroom)
         if smallest is None or score.peak_ratio < smallest[0]:
             smallest = (score.peak_ratio, score, layout)
         return score
@@ -143,7 +116,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
         sequence_parallel = sequence_parallel_option(tp, choices)
         recomputes = recompute_options(stack, choices)
         zeros = zero_options(dp, cp, choices, stack=stack)
-        options: list[PlacementOption | None] = placement_options(cluster, dp, tp, pp, cp) if ctx.mixed else [None]
+        options: list[PlacementOption | None] = [*placement_options(cluster, dp, tp, pp, cp)] if ctx.mixed else [None]
         for micro_batch in micro_batch_options(train, dp, choices, pp, stack):
             micro_batches = train.global_batch // (dp * micro_batch)
             schedules = schedule_options(model, pp, micro_batches, choices, stack)
@@ -224,13 +197,14 @@ def _best_placement(ctx: _Context, signature: tuple, sequence_parallel: bool, re
 
     orders = [o for o in options if o is not None and o.kind == STAGES]
     if len(orders) > 1:
-        keep, kept = orders[0], _costed(ctx, memo, signature, sequence_parallel, recomputes[0], zeros[0], orders[0])
+        keep: PlacementOption | None = orders[0]
+        kept = _costed(ctx, memo, signature, sequence_parallel, recomputes[0], zeros[0], orders[0])
         if kept is not None and kept[0].step_time_s >= limit():
             keep = None  # the orders run the same compute: none can beat the limit
-        for option in orders[1:] if keep is not None else ():
-            result = _costed(ctx, memo, signature, sequence_parallel, recomputes[0], zeros[0], option)
+        for order in orders[1:] if keep is not None else ():
+            result = _costed(ctx, memo, signature, sequence_parallel, recomputes[0], zeros[0], order)
             if result is not None and (kept is None or roomier(result[0], kept[0])):
-                keep, kept = option, result
+                keep, kept = order, result
         options = [o for o in options if o not in orders or o == keep]
     for option in options:
         uneven = option is not None and option.kind == REPLICAS
@@ -325,8 +299,9 @@ def _split(ctx: _Context, signature: tuple, sequence_parallel: bool, rc: str,
         if shares is None:
             return None
         replicas = shares
-    if ctx.choices.layers_per_stage is not None:
-        return (ctx.choices.layers_per_stage, replicas) if len(ctx.choices.layers_per_stage) == stages else None
+    fixed = ctx.choices.layers_per_stage
+    if fixed is not None:
+        return (fixed, replicas) if len(fixed) == stages else None
     if stages == 1:
         return (model.layers,), replicas
     if option is not None:
@@ -338,15 +313,8 @@ def _split(ctx: _Context, signature: tuple, sequence_parallel: bool, rc: str,
     per_layer = layer.forward + layer.backward_input + layer.backward_weight + layer.recompute
     first = (embedding.forward + embedding.backward_input + embedding.backward_weight) / per_layer
     last = (head.forward + head.backward_input + head.backward_weight) / per_layer
-    owners = [probe_owner(schedule, pp, stage) for stage in range(stages)]
-    return balanced_layers(model.layers, stages, round(first, 2), round(last, 2), owners), replicas
-
-
-def probe_owner(schedule: str, pp: int, stage: int) -> int:
-    """Plan.stage_owner without a Plan: V-shaped for zbv, looped otherwise."""
-    if schedule == "zbv":
-        return stage if stage < pp else 2 * pp - 1 - stage
-    return stage % pp
+    layers = balanced_layers(model.layers, stages, round(first, 2), round(last, 2), stage_owners(schedule, pp, virtual))
+    return None if layers is None else (layers, replicas)
 
 
 def _layout(ctx: _Context, signature: tuple, layers_per_stage: tuple[int, ...], recompute: str,

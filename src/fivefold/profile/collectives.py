@@ -87,11 +87,3 @@ def measure_collectives_here(rank: int, ranks: int, quick: bool, device: torch.d
                 seconds /= 2
             if rank == 0:
                 emit(CollectivePoint(collective, ranks, size, seconds, size * bus_factor(collective, ranks) / seconds))
-
-
-def measure_collectives(ranks: int, quick: bool, use_cuda: bool, on_point=None) -> list[CollectivePoint]:
-    """Spawn `ranks` local processes and time every collective over every message size."""
-    from fivefold.profile.workers import measure_on_ranks
-
-    return measure_on_ranks(ranks, quick, use_cuda, compute=False,
-                            on_step=lambda kind, point: on_point(point) if on_point else None).collectives

@@ -21,9 +21,9 @@ from typing import Callable
 
 import torch
 
-from fivefold.profile.collectives import CollectivePoint, measure_collectives
+from fivefold.profile.collectives import CollectivePoint
 from fivefold.profile.kernels import GemmPoint, measure_gemm, measure_memory_bandwidth
-from fivefold.profile.workers import measure_on_ranks
+from fivefold.profile.workers import measure_collectives, measure_on_ranks
 from fivefold.spec.cluster import HostCosts
 from fivefold.spec.units import format_bandwidth, format_size, format_time
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -19,16 +18,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fivefold.local import free_port, threads_per_worker
 from fivefold.profile.collectives import CollectivePoint, agree_with_rank0, measure_collectives_here
 from fivefold.profile.kernels import GemmPoint, measure_gemm, measure_memory_bandwidth
 from fivefold.spec.cluster import HostCosts
 
 CPU_DTYPES = ["fp32", "bf16"]
-
-
-def threads_per_rank(ranks: int) -> int:
-    """Intra-op threads of each of `ranks` CPU workers: the launcher's rule (runtime/launch.py)."""
-    return int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // ranks))
 
 
 @dataclass
@@ -41,12 +36,6 @@ class RankMeasurements:
     memory_bandwidth: float = 0.0  # bytes/s, STREAM copy; 0 when not measured here
     host: HostCosts | None = None
     collectives: list[CollectivePoint] = field(default_factory=list)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _worker(rank: int, ranks: int, port: int, quick: bool, use_cuda: bool, compute: bool, threads: int,
@@ -93,10 +82,10 @@ def measure_on_ranks(ranks: int, quick: bool, use_cuda: bool, compute: bool = Tr
                      on_step: Callable[[str, object], None] | None = None) -> RankMeasurements:
     """Spawn `ranks` local processes; on CPU (with `compute`) time GEMMs, memory and host costs on all of
     them at once, then (ranks > 1) every collective. `on_step(kind, item)` sees each result as it comes."""
-    threads = threads_per_rank(ranks) if not use_cuda else 1
+    threads = threads_per_worker(ranks) if not use_cuda else 1  # the launcher's rule
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     processes = [context.Process(target=_worker, args=(r, ranks, port, quick, use_cuda, compute, threads, results),
                                  daemon=True) for r in range(ranks)]
     for process in processes:
@@ -143,3 +132,9 @@ def _collect(processes: list, results, out: RankMeasurements,
     if failed:
         raise RuntimeError(f"a measurement process failed (exit codes {failed})")
     return out
+
+
+def measure_collectives(ranks: int, quick: bool, use_cuda: bool, on_point=None) -> list[CollectivePoint]:
+    """Spawn `ranks` local processes and time every collective over every message size."""
+    return measure_on_ranks(ranks, quick, use_cuda, compute=False,
+                            on_step=lambda kind, point: on_point(point) if on_point else None).collectives

@@ -22,8 +22,8 @@ from fivefold.report.load import Run
 from fivefold.report.measured import (OTHER, busiest_row, count_of, measured_events, measured_parts, part_name,
                                       pipeline_rows, simulated_parts, split_by_step, typical_step)
 from fivefold.sim.engine import OPTIMIZER
+from fivefold.spec.units import GIB
 
-GIB = 2**30
 SOURCES_SHOWN = 3
 
 

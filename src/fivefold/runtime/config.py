@@ -127,3 +127,8 @@ class RunConfig:
         if self.tensorboard:
             check_output_dir(self.tensorboard, "--tensorboard")
 
+
+def check_gpu_dtype(dtype: str) -> None:
+    """The one fp16 refusal: the runtime has no loss scaling (CPU ranks compute in fp32 whatever the plan says)."""
+    require(dtype != "fp16", "train.dtype", dtype, "fp16 needs loss scaling, which the runtime does not do; "
+                                                   "use bf16 or fp32")

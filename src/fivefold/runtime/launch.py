@@ -11,7 +11,6 @@ import logging
 import os
 import shlex
 import signal
-import socket
 import tempfile
 from pathlib import Path
 
@@ -23,9 +22,11 @@ from fivefold.elastic.events import LAUNCHER, EventLog
 from fivefold.elastic.report import build_report, write_report
 from fivefold.elastic.restart import newest_complete
 from fivefold.errors import SpecError, require
-from fivefold.interrupt import Interrupted, quiet_sigint_in_worker, interrupted_line
-from fivefold.runtime.config import RunConfig
+from fivefold.interrupt import Interrupted, interrupted_line, quiet_sigint_in_worker
+from fivefold.local import free_port, threads_per_worker
+from fivefold.runtime.config import RunConfig, check_gpu_dtype
 from fivefold.spec import Plan
+from fivefold.spec.plan import SPLIT_BACKWARD
 
 SCHEDULES_NEEDING_STAGES = ("1f1b",)  # torch's Schedule1F1B refuses fewer micro-batches than stages
 
@@ -68,7 +69,7 @@ def check_runnable(plan: Plan, nproc: int, device: str = "cpu", gpus: int = 0, l
             "costed by the planner but not built by fivefold's models; train with sliding_window=0")
     require(plan.train.dtype != "fp8", "train.dtype", "fp8", "fivefold's runtime has no FP8 training (the cost "
             "model's torchtitan and megatron-core stacks do); train in bf16")
-    if plan.schedule in ("zb-h1", "zbv") and plan.pp > 1:
+    if plan.schedule in SPLIT_BACKWARD and plan.pp > 1:
         # Both found by the parity tests on torch 2.13: zero 3 with these schedules gives wrong weight
         # gradients; selective recompute refuses the second (weight) backward over a saved region.
         require(plan.zero != 3, "plan.zero", plan.zero,
@@ -95,7 +96,7 @@ def check_runnable(plan: Plan, nproc: int, device: str = "cpu", gpus: int = 0, l
         require(gpus >= local_nproc, "--device", device,
                 f"{local_nproc} processes need {local_nproc} GPUs on this machine, found {gpus}; use torchrun "
                 f"on several machines or --device cpu")
-        require(t.dtype != "fp16", "train.dtype", t.dtype, "fp16 needs loss scaling; use bf16 or fp32")
+        check_gpu_dtype(t.dtype)
 
 
 def check_local_workers(nproc: int, flag: str) -> None:
@@ -184,12 +185,6 @@ class CollectiveTimeout(RuntimeError):
     """A collective waited longer than --collective-timeout for a peer."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
-
-
 @record
 def worker_entry(configs: list[RunConfig]) -> list[dict]:
     """What each worker process runs: the configs one after another in one process group (several
@@ -248,7 +243,7 @@ def launch(configs: list[RunConfig], nproc: int, max_restarts: int = 0) -> list[
                                  max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn")
     # Workers inherit this process's environment: share the cores out unless the user chose.
     user_threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = user_threads or str(max(1, (os.cpu_count() or 1) // nproc))
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(nproc))
     run_dir, metrics_file = configs[0].run_dir, configs[0].metrics_file
     events = EventLog(run_dir, restart=LAUNCHER)
     events.write("launch", nproc=nproc, max_restarts=max_restarts)

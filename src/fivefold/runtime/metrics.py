@@ -12,8 +12,8 @@ from typing import IO, Any
 import torch
 
 from fivefold.spec import Plan
+from fivefold.spec.units import GIB
 
-GIB = 2**30
 METRIC_FIELDS = ("step", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s", "mfu",
                  "peak_memory_gib")
 # For `fivefold report`: per-rank lists (index = global rank) of each rank's peak memory and its own step

@@ -31,7 +31,7 @@ from fivefold.elastic.events import restart_count
 from fivefold.elastic.restart import resume_point
 from fivefold.models import init_weights
 from fivefold.runtime.checkpointing import Checkpointer, log_to
-from fivefold.runtime.config import RunConfig
+from fivefold.runtime.config import RunConfig, check_gpu_dtype
 from fivefold.runtime.elastic_run import ElasticRun
 from fivefold.runtime.expert_parallel import (expert_mesh, forget_metadata_inference, moe_step_metrics,
                                               prepare_moe)
@@ -61,8 +61,7 @@ def compute_dtype(plan: Plan, device: torch.device) -> torch.dtype | None:
     """bf16 mixed precision on a GPU when the plan trains in bf16; fp32 otherwise (always on CPU)."""
     if device.type != "cuda" or plan.train.dtype == "fp32":
         return None
-    if plan.train.dtype == "fp16":
-        raise RuntimeError("fp16 training needs loss scaling, which the runtime does not do; use bf16")
+    check_gpu_dtype(plan.train.dtype)
     return torch.bfloat16
 
 

@@ -118,7 +118,7 @@ def _compute_ratios(plan: Plan, stack: Any, replica: int) -> list[tuple[float, f
     layout, topology = Layout.of_plan(plan), topology_of(plan.cluster)
     envs = rank_envs(layout, topology)
     speed = [g.device.flops(plan.train.dtype) for g in plan.cluster.groups]
-    ratios = []
+    ratios: list[tuple[float, float, float]] = []
     for r, env in enumerate(envs):
         group = min((topology.group_of[plan.placement[plan.rank_of(pp=r, dp=replica, cp=c, tp=t)]]
                      for c in range(plan.cp) for t in range(plan.tp)), key=lambda g: (speed[g], g))

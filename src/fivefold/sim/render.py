@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fivefold.spec.units import GIB
+
 if TYPE_CHECKING:
     from fivefold.sim.engine import SimResult
-
-GIB = 2**30
 
 
 def _ms(seconds: float) -> str:

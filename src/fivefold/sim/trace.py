@@ -12,8 +12,8 @@ from pathlib import Path
 
 from fivefold.sim.engine import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, EMBEDDING_SYNC, FORWARD, GRAD_REDUCE,
                                  OPTIMIZER, PARAM_GATHER, Event, SimResult)
+from fivefold.spec.units import GIB
 
-GIB = 2**30
 THREADS = {0: "compute", 1: "send to next rank", 2: "send to previous rank", 3: "gradient reduce",
            4: "parameter gather"}
 EVENT_NAMES = {FORWARD: "forward", BACKWARD: "backward", BACKWARD_INPUT: "backward (input)",

@@ -29,14 +29,15 @@ def check_count(value: object, field: str, minimum: int = 1, limit: int = MAX_CO
     """An integer in [minimum, limit]; names the field, the value and what would be valid."""
     if not is_int(value):
         raise SpecError(field, value, f"must be an integer, not a {type(value).__name__}")
+    count = int(value)  # type: ignore[call-overload]  # is_int: an int (not a bool)
     bound = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-    require(value >= minimum, field, value, f"must be {bound}" + (f" ({what})" if what else ""))
-    require(value <= limit, field, value, f"must be at most {limit:,}; a larger value is not a real configuration")
-    return value  # type: ignore[return-value]
+    require(count >= minimum, field, value, f"must be {bound}" + (f" ({what})" if what else ""))
+    require(count <= limit, field, value, f"must be at most {limit:,}; a larger value is not a real configuration")
+    return count
 
 
 def check_positive_real(value: object, field: str, what: str = "a positive finite number") -> float:
-    require(is_real(value) and value > 0, field, value, f"must be {what}")
+    require(is_real(value) and value > 0, field, value, f"must be {what}")  # type: ignore[operator]
     return float(value)  # type: ignore[arg-type]
 
 

@@ -63,7 +63,7 @@ class Calibration:
     threads: int = 0  # intra-op threads per rank during those measurements; 0 = not recorded
 
     def to_dict(self) -> dict:
-        out = {"source": self.source,
+        out: dict[str, object] = {"source": self.source,
                "gemm": [{"m": m, "n": n, "k": k, "dtype": d, "flops_per_s": f} for m, n, k, d, f in self.gemm],
                "collective": [{"collective": c, "ranks": r, "message_bytes": b, "seconds": t}
                               for c, r, b, t in self.collectives]}
@@ -169,7 +169,8 @@ class ClusterSpec:
         return "+".join(g.label for g in self.groups)
 
     def slots(self) -> list[DeviceSlot]:
-        out, node = [], 0
+        out: list[DeviceSlot] = []
+        node = 0
         for group_index, group in enumerate(self.groups):
             for _ in range(group.nodes):
                 for local in range(group.gpus_per_node):
@@ -294,7 +295,7 @@ def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
     require(isinstance(entries, list) and len(entries) > 0, f"{where}.group", entries, shape)
     allowed = set(GROUP_KEYS) | {"nodes", "gpus_per_node", "device", "peak_tflops", "memory_bandwidth", "calibration"}
     groups = []
-    for index, entry in enumerate(entries):
+    for index, entry in enumerate(entries or ()):
         here = f"{where}.group[{index}]"
         check_table(entry, here, shape)
         for key in entry:

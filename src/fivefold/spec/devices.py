@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivefold.errors import SpecError
+from fivefold.spec.units import GIB
 
 TFLOPS = 1e12
 GB = 1e9
-GIB = 2**30
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,10 @@ node. `placement[rank]` is the cluster device index that rank runs on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fivefold.errors import SpecError, require
 from fivefold.spec.checks import MAX_COUNT, check_table, divisors, is_int
@@ -21,8 +23,78 @@ from fivefold.spec.units import read_toml_file
 PLAN_VERSION = 1
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
+SPLIT_BACKWARD = ("zb-h1", "zbv")  # zero-bubble schedules: the backward runs as an input (I) and a weight (W) pass
 RECOMPUTE = ("none", "selective", "full")
 ZERO_LEVELS = (0, 1, 2, 3)
+
+
+def stage_owner(schedule: str, pp: int, stage: int) -> int:
+    """The pp rank that holds virtual stage `stage`: V-shaped for zbv (rank r holds r and 2*pp-1-r), looped
+    otherwise (stage s on rank s % pp). The one definition: Plan, the cost model and the planner use it."""
+    if schedule == "zbv":
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+@functools.lru_cache(maxsize=1024)
+def stage_owners(schedule: str, pp: int, virtual_stages: int) -> tuple[int, ...]:
+    """The pp rank of every virtual stage (the planner asks for the same few shapes ~10^5 times)."""
+    return tuple(stage_owner(schedule, pp, stage) for stage in range(pp * virtual_stages))
+
+
+def mesh_rank(dp_size: int, cp_size: int, tp_size: int, pp: int, dp: int, cp: int, tp: int) -> int:
+    """The global rank at mesh coordinate (pp, dp, cp, tp) of a mesh with those dp, cp and tp sizes."""
+    return ((pp * dp_size + dp) * cp_size + cp) * tp_size + tp
+
+
+class MeshRanks:
+    """The rank arithmetic of the (pp, dp, cp, tp) mesh, tp innermost, and which pipeline rank holds which
+    virtual stage: the one copy, shared by Plan and the planner's Layout (cost/layout.py)."""
+
+    __slots__ = ()
+    if TYPE_CHECKING:
+        pp: int
+        dp: int
+        cp: int
+        tp: int
+        schedule: str
+        virtual_stages: int
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates of a rank: {'pp': .., 'dp': .., 'cp': .., 'tp': ..}."""
+        out = {}
+        for dim in reversed(MESH_DIMS):
+            rank, out[dim] = divmod(rank, getattr(self, dim))
+        return {dim: out[dim] for dim in MESH_DIMS}
+
+    def rank_of(self, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
+        return mesh_rank(self.dp, self.cp, self.tp, pp, dp, cp, tp)
+
+    def group_ranks(self, dim: str, rank: int) -> list[int]:
+        """The ranks that share every mesh coordinate with `rank` except `dim` (its tp group, dp group, ...)."""
+        coords = self.coords(rank)
+        return [self.rank_of(**{**coords, dim: i}) for i in range(getattr(self, dim))]
+
+    def pipeline_ranks(self, pp_rank: int) -> range:
+        """The global ranks of pipeline rank `pp_rank` (pp is the outermost mesh dim: one contiguous block)."""
+        first = self.rank_of(pp=pp_rank)
+        return range(first, first + self.dp * self.cp * self.tp)
+
+    def replica_ranks(self, dp_rank: int) -> list[int]:
+        """The global ranks of data-parallel replica `dp_rank`, every pp, cp and tp coordinate."""
+        return [self.rank_of(pp=p, dp=dp_rank, cp=c, tp=t) for p in range(self.pp) for c in range(self.cp)
+                for t in range(self.tp)]
+
+    def stage_owner(self, stage: int) -> int:
+        """The pp rank that holds virtual stage `stage` (module function stage_owner)."""
+        return stage_owner(self.schedule, self.pp, stage)
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        return [s for s in range(self.num_stages) if self.stage_owner(s) == pp_rank]
 
 
 def default_layers_per_stage(layers: int, stages: int) -> tuple[int, ...]:
@@ -37,7 +109,7 @@ def default_layers_per_stage(layers: int, stages: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(MeshRanks):
     model: ModelSpec  # what is trained
     cluster: ClusterSpec  # where it is trained
     train: TrainSpec  # sequence length, global batch, dtype, optimizer
@@ -75,11 +147,6 @@ class Plan:
         return self.dp * self.tp * self.pp * self.cp
 
     @property
-    def num_stages(self) -> int:
-        """Virtual stages in the whole pipeline (pp x virtual_stages)."""
-        return self.pp * self.virtual_stages
-
-    @property
     def num_micro_batches(self) -> int:
         """Micro-batches per replica per step (the largest one when replicas are uneven)."""
         if self.replica_micro_batches:
@@ -94,30 +161,6 @@ class Plan:
     @property
     def mesh_shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, dim) for dim in MESH_DIMS)
-
-    def coords(self, rank: int) -> dict[str, int]:
-        """Mesh coordinates of a rank: {'pp': .., 'dp': .., 'cp': .., 'tp': ..}."""
-        out = {}
-        for dim in reversed(MESH_DIMS):
-            rank, out[dim] = divmod(rank, getattr(self, dim))
-        return {dim: out[dim] for dim in MESH_DIMS}
-
-    def rank_of(self, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
-        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
-
-    def group_ranks(self, dim: str, rank: int) -> list[int]:
-        """The ranks that share every mesh coordinate with `rank` except `dim` (its tp group, dp group, ...)."""
-        coords = self.coords(rank)
-        return [self.rank_of(**{**coords, dim: i}) for i in range(getattr(self, dim))]
-
-    def stage_owner(self, stage: int) -> int:
-        """The pp rank that holds virtual stage `stage`: looped for interleaved, V-shaped for zbv."""
-        if self.schedule == "zbv":
-            return stage if stage < self.pp else 2 * self.pp - 1 - stage
-        return stage % self.pp
-
-    def stages_of(self, pp_rank: int) -> list[int]:
-        return [s for s in range(self.num_stages) if self.stage_owner(s) == pp_rank]
 
     def describe(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
@@ -243,7 +286,7 @@ class Plan:
         """A copy with some fields changed; derived defaults are recomputed unless given."""
         if any(k in changes for k in ("pp", "virtual_stages", "schedule")) and "layers_per_stage" not in changes:
             changes["layers_per_stage"] = ()
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]  # Plan.__post_init__ checks them
 
 
 def plan_from_dict(data: dict) -> Plan:

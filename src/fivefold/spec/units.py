@@ -12,6 +12,8 @@ from pathlib import Path
 
 from fivefold.errors import SpecError
 
+GIB = 2**30  # bytes in a GiB: the one definition, for every memory figure fivefold prints
+
 _NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z/]*)\s*$")
 
 # Bandwidth units: 'B' is bytes, 'b' is bits; decimal prefixes as network and NVLink specs use.
@@ -20,7 +22,7 @@ _BANDWIDTH_UNITS = {
     "Gbps": 1e9 / 8, "GBps": 1e9,
 }
 _SIZE_UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
-               "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+               "KiB": 2**10, "MiB": 2**20, "GiB": GIB, "TiB": 2**40}
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 
 
@@ -61,8 +63,8 @@ def format_bandwidth(bytes_per_s: float) -> str:
 
 
 def format_size(num_bytes: float) -> str:
-    if num_bytes % 2**30 == 0:
-        return f"{int(num_bytes) // 2**30}GiB"
+    if num_bytes % GIB == 0:
+        return f"{int(num_bytes) // GIB}GiB"
     return f"{num_bytes / 1e9:.12g}GB"
 
 
