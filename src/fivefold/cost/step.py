@@ -37,10 +37,10 @@ less the headroom. What the stack does with gradients and weights is cost.stack.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from fivefold.cost.cache import IdentityCache
-from fivefold.cost.comm import Topology, all_reduce_time, p2p_time, topology_of
+from fivefold.cost.comm import GroupLink, Topology, p2p_time, topology_of
 from fivefold.cost.dataparallel import (data_parallel_time, fsdp_host_time, optimizer_host_time, optimizer_time,
                                        parameter_tensors)
 from fivefold.cost.flops import hardware_flops_per_step, model_flops_per_step
@@ -244,19 +244,35 @@ def kept_output_bytes(stack: SoftwareStack, element_bytes: int) -> int:
     return 4 if stack.logits_fp32_output else element_bytes
 
 
-_SHAPES: IdentityCache[tuple] = IdentityCache(8192)
+_SHAPES: IdentityCache[PipelineShape] = IdentityCache(8192)
+
+
+class ShapeGroup(NamedTuple):
+    """Pipeline ranks with the same layers, ends of the model, chunks and device: costed once."""
+
+    layers: int
+    first: bool  # holds the first stage (embedding)
+    last: bool  # holds the last stage (LM head)
+    chunks: int  # stage models on each rank
+    env: RankEnv
+    ranks: list[int]  # shared with the cache: never mutate
+
+
+class PipelineShape(NamedTuple):
+    first_ranks: list[int]  # the first device of each pp rank
+    hop_links: list[GroupLink]  # the distinct links between consecutive stages on different ranks
+    groups: list[ShapeGroup]
 
 
 def _pipeline_shape(layout: Layout, topology: Topology, envs: list[RankEnv], owners: Sequence[int],
-                    block: int) -> tuple[list[int], list, list[tuple]]:
-    """(first device of each pp rank, the distinct links between consecutive stages on different ranks,
-    the rank groups as (layers, first, last, chunks, env, ranks)), cached: the planner asks for the same
+                    block: int) -> PipelineShape:
+    """The pipeline's shape (PipelineShape), cached: the planner asks for the same
     pipeline shape with many micro-batch sizes, ZeRO levels and recompute policies."""
     p = layout.pp
     # envs are built for one topology (layout.rank_envs), so they stand for it in the key.
     key = (layout.schedule, p, layout.virtual_stages, block, layout.placement, layout.layers_per_stage)
     cached = _SHAPES.get(envs, key)
-    if isinstance(cached, tuple):
+    if isinstance(cached, PipelineShape):
         return cached
     first_ranks = [layout.placement[r * block] if layout.placement else r * block for r in range(p)]
     layers_of, chunks_of = [0] * p, [0] * p
@@ -271,13 +287,13 @@ def _pipeline_shape(layout: Layout, topology: Topology, envs: list[RankEnv], own
             link_key = (topology.node_of[da] == topology.node_of[db], topology.group_of[da], topology.group_of[db])
             if link_key not in links:
                 links[link_key] = topology.pair_link(da, db)
-    groups: dict[tuple, tuple] = {}
+    groups: dict[tuple, ShapeGroup] = {}
     for r in range(p):
         group_key = (layers_of[r], r == owners[0], r == owners[-1], chunks_of[r], id(envs[r]))
         if group_key not in groups:
-            groups[group_key] = (*group_key[:4], envs[r], [])
-        groups[group_key][5].append(r)
-    return _SHAPES.put(envs, key, (first_ranks, list(links.values()), list(groups.values())))
+            groups[group_key] = ShapeGroup(layers_of[r], r == owners[0], r == owners[-1], chunks_of[r], envs[r], [])
+        groups[group_key].ranks.append(r)
+    return _SHAPES.put(envs, key, PipelineShape(first_ranks, list(links.values()), list(groups.values())))
 
 
 def _stage_list(layout: Layout, stack: SoftwareStack, envs: list[RankEnv], costs_of: dict, owners: Sequence[int],

@@ -26,8 +26,8 @@ from typing import Callable
 
 from fivefold.cost.layout import Layout, layer_work, pacing_replica
 from fivefold.cost.pipeline import bubble_ratio
+from fivefold.cost.results import Score
 from fivefold.cost.stack import STACKS, SoftwareStack
-from fivefold.cost.results import Estimate, Score
 from fivefold.cost.step import estimate, score_layout
 from fivefold.errors import SpecError
 from fivefold.planner.candidates import Candidate, NoFeasiblePlan, SearchResult
@@ -40,7 +40,6 @@ from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import Plan, default_layers_per_stage, stage_owners
 from fivefold.spec.train import TrainSpec
-from fivefold.spec.units import GIB
 
 
 # Near-ties go to the simpler plan: each extra moving part (context or expert parallelism, a pipeline,

@@ -1,6 +1,8 @@
-"""The package's modules import each other without a cycle: every import (at the top or inside a function,
-but not under TYPE_CHECKING) is an edge from the importing module to the module it names, and the graph
-has no cycle. A function-level import that closes a loop is still a loop in the design."""
+"""Structure: no import cycle inside the package, and no source file over 400 lines.
+
+Every import (at the top or inside a function, but not under TYPE_CHECKING) is an edge from the importing
+module to the module it names; the graph has no cycle. A function-level import that closes a loop is still a
+loop in the design."""
 
 import ast
 import pathlib
@@ -85,3 +87,10 @@ def test_the_import_graph_is_read():
 def test_no_import_cycle_inside_the_package():
     cycle = find_cycle(import_graph())
     assert cycle is None, " -> ".join(cycle)
+
+
+def test_no_source_file_over_400_lines():
+    """Each file stays small enough to read in one sitting (the project's standard)."""
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}
