@@ -234,7 +234,7 @@ def stage_params(layout: Layout, layers: int, first: bool, last: bool,
     `holds_embedding`: the rank running this (last) stage also runs the first one (zbv puts both ends on
     rank 0), so a tied LM head can use the embedding matrix itself instead of a copy."""
     m, t = layout.model, layout.tp
-    per_layer = m.params_per_layer()
+    per_layer: float = m.params_per_layer()
     expert = 0.0
     if m.is_moe:
         per_layer, all_experts = expert_param_share(m)  # an average layer (cost/moe.py)
