@@ -82,8 +82,7 @@ def pacing_replica(layout: Layout) -> int:
     speed_of = [g.device.flops(dtype) for g in layout.cluster.groups]
 
     def slowest(dp: int) -> float:
-        return min(speed_of[topology.group_of[_device_index(layout, layout.rank_of(pp=p, dp=dp, cp=c, tp=t))]]
-                   for p in range(layout.pp) for c in range(layout.cp) for t in range(layout.tp))
+        return min(speed_of[topology.group_of[_device_index(layout, r)]] for r in layout.replica_ranks(dp))
     return max(range(layout.dp), key=lambda dp: (layout.replica_micro_batches[dp] / slowest(dp), -dp))
 
 
@@ -159,8 +158,7 @@ def _build_rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
         if same_blocks and envs:
             envs.append(envs[0])
             continue
-        first = layout.rank_of(pp=pp_rank)
-        block = range(first, first + block_size)
+        block = layout.pipeline_ranks(pp_rank)
         groups = {topology.group_of[_device_index(layout, r)] for r in block}
         paced = groups if pace is None else {topology.group_of[_device_index(layout, layout.rank_of(
             pp=pp_rank, dp=pace, cp=c, tp=t))] for c in range(layout.cp) for t in range(layout.tp)}

@@ -46,7 +46,8 @@ def rank_labels(plan: Plan, replicas: list[int] | None = None) -> tuple[str, ...
     labels = []
     for pp_rank in range(plan.pp):
         if replicas is None:  # every replica: pp is the outermost mesh dim
-            first, count, name = plan.rank_of(pp=pp_rank), plan.dp * plan.cp * plan.tp, f"pp{pp_rank}"
+            block = plan.pipeline_ranks(pp_rank)
+            first, count, name = block.start, len(block), f"pp{pp_rank}"
         else:
             first, count = plan.rank_of(pp=pp_rank, dp=replicas[0]), plan.cp * plan.tp
             name = f"dp{replicas[0]} pp{pp_rank}"
