@@ -154,7 +154,8 @@ def test_every_distinct_replica_is_simulated_and_the_slowest_reduction_ends_the_
         assert all(len(times) == 1 for times in reductions.values())  # one collective per stage
         for stage, ((start, end),) in reductions.items():  # stage s runs on pp rank s: rows s and 2 + s
             last_backwards = [max((e.start, e.end) for e in result.events
-                                  if e.rank == row and e.stage == stage and e.kind == "B") for row in (stage, 2 + stage)]
+                                  if e.rank == row and e.stage == stage and e.kind == "B")
+                              for row in (stage, 2 + stage)]
             assert start > max(b[0] for b in last_backwards) and end > max(b[1] for b in last_backwards)
         optimizer_start = min(e.start for e in result.events if e.kind == "optimizer")
         assert optimizer_start == max(e.end for e in result.events if e.lane == "comm")

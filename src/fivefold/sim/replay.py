@@ -11,7 +11,8 @@ from __future__ import annotations
 from heapq import heappop, heappush
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
-from fivefold.sim.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SPLIT_BACKWARD, Action, stage_owners
+from fivefold.sim.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SPLIT_BACKWARD, Action,
+                                    stage_owners)
 
 if TYPE_CHECKING:
     from fivefold.sim.engine import StepInput
@@ -27,14 +28,14 @@ EMBEDDING_SYNC = "embedding-sync"
 class Event(NamedTuple):
     """One bar of the timeline (a tuple: hundreds of thousands are made for a big plan)."""
 
-    rank: int  # pp rank
+    rank: int  # the row: pp rank, plus replica * pp when replicas that differ are simulated
     lane: str  # "compute" or "comm"
     kind: str  # F, B, I, W, optimizer; send-activation, send-gradient, grad-reduce, param-gather, embedding-sync
     start: float  # seconds from the start of the step
     end: float
     stage: int = -1  # virtual stage, -1 when not tied to one
     micro_batch: int = -1  # micro-batch, -1 when not tied to one
-    peer: int = -1  # for sends: the receiving pp rank
+    peer: int = -1  # for sends: the receiving row
 
 
 # An Event from all its fields without NamedTuple's argument handling: hundreds of thousands per step.
@@ -56,7 +57,8 @@ class Replay:
         self.joint = joint or {}
         self.reductions: dict[tuple[int, int, int], tuple[float, float]] = {}  # the same key -> what it did
         self.reduce_count: dict[tuple[int, int], int] = {}  # (rank, stage) -> reductions so far
-        self.owner = stage_owners(orders)
+        owner = stage_owners(orders)
+        self.owner = [owner[stage] for stage in range(len(step.stages))]  # stage -> pp rank
         self.last_stage = len(step.stages) - 1
         self.weight_kind = BACKWARD_WEIGHT if step.schedule in SPLIT_BACKWARD else BACKWARD
         # Seconds of each kind of pass per stage, looked up once per action.
@@ -79,7 +81,6 @@ class Replay:
         self.queue: list[tuple[float, int, float, float]] = []  # (start, rank, end, gather start) of ready ones
         self.cursor = [0] * step.pp
         self.link_free = [0.0] * (2 * step.pp)  # 2 rank + (1 towards higher ranks) -> when that send link is free
-        self.owners = [self.owner[stage] for stage in range(len(step.stages))]
         self.async_p2p = step.async_p2p
         # Gradient reductions and parameter gathers of a rank share its data-parallel communicator: NCCL runs
         # the collectives of one communicator one after another, in the order they are issued.
@@ -154,7 +155,7 @@ class Replay:
 
     def ship(self, rank: int, target_stage: int, kind: str, micro_batch: int, end: float, seconds: float) -> None:
         """Hand an activation (kind F) or a gradient (kind B) produced at `end` to `target_stage`."""
-        target_rank = self.owners[target_stage]
+        target_rank = self.owner[target_stage]
         key = ((ACTIVATION_IN if kind == FORWARD else GRADIENT_IN) * self.table_size
                + target_stage * self.step.micro_batches + micro_batch)
         if target_rank == rank:
