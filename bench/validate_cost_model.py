@@ -294,7 +294,13 @@ def markdown(vtrain: list[tuple[str, dict]], core: list[dict], bubble: list[dict
     lines += ["", f"Mean absolute error {statistics.fmean(zb_errors):.1%} over {len(zb_errors)} rows. The 14.6B "
               "interleaved rows moved from +6..+10% to -9..-4% with 21e141b (the estimate now walks torch's "
               "order where a rank's chunks differ, as the simulator does), which is most of the change of this "
-              "table's MAPE since 3302110.", "",
+              "table's MAPE since 3302110. What the closed form was compensating for is the split: the paper's "
+              "code (sail-sg/zero-bubble-pipeline-parallelism: examples/pretrain_zero_bubble.sh runs 1F1B-I with "
+              "`--num-layers-per-virtual-pipeline-stage 1`, and `--allow-padding-num-layers` pads the layer count to "
+              "a multiple of pp, taking the padding out of the first and last chunks) gives every chunk one layer, "
+              "with the embedding and the LM head alone in the first and last chunk, so its chunks are equal; the "
+              "rows here use 2 chunks of 1 and 2 layers (1.5B, 14.6B), because a Plan stage holds at least one "
+              "transformer layer. The balanced rows (6.2B) agree with the other schedules (+3..+7%).", "",
               "### Cross-check: Korthikanti et al. 2022 (MFU, A100, SP + selective recompute)", "",
               "Not in the development set. The measured MFU values were transcribed by hand from the paper's "
               "end-to-end results table (check them against the paper before citing). Predicted with the "
