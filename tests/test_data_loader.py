@@ -106,7 +106,10 @@ def test_builtin_corpus_is_deterministic_and_english_like():
     assert 1_000_000 < len(text.encode()) < 2_000_000
     assert text.startswith("Early the next day, Rosa walked to the forest.")
     data = default_dataset()
-    assert data.vocab_size == 256 and len(data) == len(text.encode())
+    # Packed documents: every story ends with a newline and the byte tokenizer's end-of-document byte 0.
+    assert data.vocab_size == 256 and data.end_of_document == 0
+    assert data.tokens.astype(np.uint8).tobytes() == text.encode().replace(b"\n\n", b"\n\x00") + b"\x00"
+    assert int((data.tokens == 0).sum()) == 4000
     data.check_vocab(256)
     with pytest.raises(SpecError, match="model.vocab=128: the data builtin was tokenized with a vocabulary of 256"):
         data.check_vocab(128)

@@ -110,10 +110,28 @@ def test_plan_errors(fields, field, words):
 
 
 def test_context_parallel_and_learned_positions():
-    with pytest.raises(SpecError, match="must divide train.seq_len=100"):
+    with pytest.raises(SpecError, match="train.seq_len=100: must be divisible by 2\\*cp=16"):
         make(seq_len=100, dp=1, cp=8)
+    with pytest.raises(SpecError, match="train.seq_len=104: must be divisible by 2\\*cp=16"):
+        make(seq_len=104, dp=1, cp=8)  # 104 = 8 x 13: cp divides it, 2*cp does not
+    assert make(seq_len=128, dp=1, cp=8).cp == 8
     with pytest.raises(SpecError, match="learned position table"):
         make(model="tiny-gpt", seq_len=512, dp=8)
+    with pytest.raises(SpecError, match="max_seq_len=256.*context parallel \\(cp=2\\) does not lift that limit"):
+        make(model="tiny-gpt", seq_len=512, dp=4, cp=2)
+
+
+def test_ulysses_needs_heads_divisible_by_cp():
+    # tiny: 4 heads, 2 kv heads. cp2 x tp1 splits 4 and 2 heads; cp4 cannot split 2 kv heads.
+    four = "1x4xH100"
+    assert make(four, dp=2, cp=2, cp_method="ulysses").describe().startswith("dp2 tp1 pp1 cp2-ulysses")
+    with pytest.raises(SpecError, match="model.kv_heads=2 / tp=1 = 2 per tp rank is not divisible by cp=4"):
+        make(four, dp=1, cp=4, cp_method="ulysses")
+    with pytest.raises(SpecError, match="model.kv_heads=2 / tp=2 = 1 per tp rank is not divisible by cp=2"):
+        make(four, dp=1, tp=2, cp=2, cp_method="ulysses")
+    assert make(four, dp=1, tp=2, cp=2).cp_method == "allgather"  # all-gather has no head constraint
+    with pytest.raises(SpecError, match="plan.cp_method='ring': use one of allgather, ulysses"):
+        make(four, dp=2, cp=2, cp_method="ring")
 
 
 def test_moe_expert_parallel():

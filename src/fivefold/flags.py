@@ -29,6 +29,9 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--expert-imbalance", type=float, default=1.0,
                        help="MoE: tokens of the busiest rank's experts over the mean, for the cost model "
                             "(default: 1, balanced)")
+    group.add_argument("--document-mask", action="store_true", default=False,
+                       help="packed documents: positions restart and attention stays inside each document "
+                            "(split at the tokenizer's end-of-document token)")
 
 
 def add_layout_flags(parser: argparse.ArgumentParser, for_search: bool = False) -> None:
@@ -39,6 +42,9 @@ def add_layout_flags(parser: argparse.ArgumentParser, for_search: bool = False) 
                       ("cp", "context-parallel"), ("ep", "expert-parallel")):
         default_text = "" if for_search else (" (default: world / (tp*pp*cp))" if dim == "dp" else " (default: 1)")
         group.add_argument(f"--{dim}", type=int, default=None, help=f"{text} degree{default_text}")
+    group.add_argument("--cp-method", choices=["allgather", "ulysses"], default=None,
+                       help="context parallel: all-gather K/V (Llama 3) or all-to-all heads (Ulysses) "
+                            "(default: allgather)")
     group.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default: 1)")
     group.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"], default=None,
                        help="pipeline schedule (default: 1f1b)")
@@ -66,8 +72,8 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
 
 
-LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "schedule", "virtual_stages", "recompute",
-                "sequence_parallel")
+LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "cp_method", "ep", "zero", "micro_batch", "schedule", "virtual_stages",
+                "recompute", "sequence_parallel")
 
 
 # The layout flags a re-plan on another world size keeps (elastic/replan.py drops degrees that no longer fit).
@@ -89,7 +95,8 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, T
     model = parse_model(args.model)
     cluster = parse_cluster(args.cluster or default_cluster(args))
     train = TrainSpec(seq_len=args.seq_len, global_batch=args.global_batch, dtype=args.dtype or default_dtype(cluster),
-                      expert_imbalance=getattr(args, "expert_imbalance", 1.0))
+                      expert_imbalance=getattr(args, "expert_imbalance", 1.0),
+                      document_mask=getattr(args, "document_mask", False))
     return model, cluster, train
 
 

@@ -26,7 +26,7 @@ class Features:
     parallelisms: tuple[str, ...] = ("dp", "tp", "pp", "cp", "ep")
     schedules: tuple[str, ...] = ALL_SCHEDULES
     zero_levels: tuple[int, ...] = (0, 1, 2, 3)
-    cp_methods: tuple[str, ...] = ("all-gather", "all-to-all")  # K/V all-gather (Llama 3), heads (Ulysses)
+    cp_methods: tuple[str, ...] = ("allgather", "ulysses")  # K/V all-gather (Llama 3), heads (Ulysses)
     recompute: tuple[str, ...] = ("none", "selective", "full")
     fp8: bool = False  # FP8 GEMMs (Transformer Engine, torchao Float8)
     fp8_all_gather: bool = False  # ZeRO-3 / FSDP gathers the weights already cast to FP8
@@ -112,7 +112,7 @@ STACKS: dict[str, SoftwareStack] = {
     # Megatron-Core with Transformer Engine as NVIDIA benchmarks it: TP communication overlapped with
     # GEMMs, distributed optimizer with overlapped gradient reduce and parameter gather.
     "megatron-core": SoftwareStack(name="megatron-core", overlap_tp_comm=True, features=Features(
-        schedules=("1f1b", "interleaved-1f1b"), zero_levels=(0, 1), cp_methods=("all-gather", "all-to-all"),
+        schedules=("1f1b", "interleaved-1f1b"), zero_levels=(0, 1), cp_methods=("allgather", "ulysses"),
         fp8=True, built_on="Megatron-Core + Transformer Engine, distributed optimizer")),
     # Megatron-LM of 2021-22 (the vTrain measurements): no FlashAttention (scores materialized, fused
     # scale-mask-softmax), the "local" DDP all-reduces gradients after backward, blocking pipeline p2p,
@@ -158,7 +158,7 @@ STACKS: dict[str, SoftwareStack] = {
                                 features=Features(parallelisms=("dp", "tp", "pp", "cp"), zero_levels=(0, 2, 3),
                                                   schedules=("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"),
                                                   gradient_accumulation=False,
-                                                  cp_methods=("all-gather",), fp8=True, fp8_all_gather=True,
+                                                  cp_methods=("allgather",), fp8=True, fp8_all_gather=True,
                                                   built_on="FSDP2, DTensor TP, async TP, torch pipelining, "
                                                            "Float8 (torchao), torch.compile")),
 }

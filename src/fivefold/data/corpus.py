@@ -52,8 +52,14 @@ def _story(rng: random.Random) -> str:
 
 
 @lru_cache(maxsize=4)
+def builtin_documents(stories: int = 4000, seed: int = 0) -> tuple[str, ...]:
+    """The stories one by one: each is a document of its own when packed (--document-mask)."""
+    rng = random.Random(seed)
+    return tuple(_story(rng) for _ in range(stories))
+
+
+@lru_cache(maxsize=4)
 def builtin_corpus(stories: int = 4000, seed: int = 0) -> str:
     """About 300 characters a story; the default is ~1.2 MB of text. random.Random's choice, sample and
     random give the same sequence on every Python 3 version, so the text is the same everywhere."""
-    rng = random.Random(seed)
-    return "\n\n".join(_story(rng) for _ in range(stories)) + "\n"
+    return "\n\n".join(builtin_documents(stories, seed)) + "\n"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fivefold.data.corpus import builtin_corpus
+from fivefold.data.corpus import builtin_corpus, builtin_documents
 from fivefold.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from fivefold.errors import SpecError
 
@@ -26,13 +26,15 @@ TOKEN_DTYPES = ("uint16", "uint32")
 class TokenDataset:
     """A flat sequence of token ids; `tokens` is an np.memmap for files, an array in memory otherwise."""
 
-    def __init__(self, tokens: np.ndarray, name: str, vocab_size: int | None = None) -> None:
+    def __init__(self, tokens: np.ndarray, name: str, vocab_size: int | None = None,
+                 end_of_document: int | None = None) -> None:
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise SpecError("--data", name, f"expected a 1-D integer token array, got {tokens.dtype} "
                                             f"with shape {tokens.shape}")
         self.tokens = tokens
         self.name = name  # the path (or "builtin") for messages and checkpoint metadata
         self.vocab_size = vocab_size  # size of the tokenizer's vocabulary when known
+        self.end_of_document = end_of_document  # the id closing each packed document, when known
 
     def check_ids(self, model_vocab: int, chunk: int = 1 << 24) -> None:
         """Every token id is in [0, model_vocab): an id outside would index past the embedding table inside
@@ -95,10 +97,24 @@ def tokenize_text(text: str, tokenizer: Tokenizer) -> np.ndarray:
     return np.asarray(tokenizer.encode(text), dtype=np.uint32)
 
 
+def tokenize_documents(documents: list[str] | tuple[str, ...], tokenizer: Tokenizer) -> np.ndarray:
+    """Each document's tokens followed by the tokenizer's end-of-document token (packed documents)."""
+    eod = tokenizer.end_of_document
+    if eod is None:
+        return tokenize_text("".join(documents), tokenizer)
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenize_text("\x00".join(documents) + "\x00", tokenizer)  # byte 0 is its end-of-document
+    encoded = (tokenizer.encode_many(list(documents)) if isinstance(tokenizer, HFTokenizer)
+               else [tokenizer.encode(d) for d in documents])
+    return np.fromiter((t for ids in encoded for t in (*ids, eod)), dtype=np.uint32)
+
+
 def write_token_file(text_path: str | Path, out_path: str | Path, tokenizer: Tokenizer | None = None,
-                     min_tokens: int = 0) -> Path:
+                     min_tokens: int = 0, document_separator: str | None = None) -> Path:
     """Tokenize a UTF-8 text file into a token file (NAME.bin + NAME.json) that `--data` accepts. Fewer than
-    `min_tokens` tokens is an error raised before anything is written."""
+    `min_tokens` tokens is an error raised before anything is written. With a `document_separator`, the text
+    is cut there into documents, each closed by the end-of-document token; without one, end-of-document
+    tokens written in the text itself mark the boundaries."""
     tokenizer = tokenizer or ByteTokenizer()
     text_path = Path(text_path)
     try:
@@ -109,12 +125,17 @@ def write_token_file(text_path: str | Path, out_path: str | Path, tokenizer: Tok
         raise SpecError("--data", str(text_path), f"not UTF-8 text ({exc.reason} at byte {exc.start}); "
                                                   "give a .bin/.npy token file instead") from None
     stat = text_path.stat()
-    tokens = tokenize_text(text, tokenizer)
+    if document_separator:
+        documents = [d for d in text.split(document_separator) if d.strip()]
+        tokens = tokenize_documents(documents, tokenizer)
+    else:
+        tokens = tokenize_text(text, tokenizer)
     if len(tokens) < min_tokens:
         raise SpecError("--data", str(text_path), f"has {len(tokens)} tokens; one sequence needs seq_len + 1 = "
                                                   f"{min_tokens}")
     return write_tokens(tokens, out_path,
                         {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
+                         "end_of_document": tokenizer.end_of_document,
                          "source": str(text_path), "source_size": stat.st_size,
                          "source_mtime_ns": stat.st_mtime_ns})
 
@@ -183,7 +204,8 @@ def read_token_file(path: str | Path) -> TokenDataset:
     if meta.get("tokens") is not None and meta["tokens"] != size // itemsize:
         raise SpecError(f"{_sidecar(path)}:tokens", meta["tokens"], f"but {path.name} holds {size // itemsize} "
                                                                   f"{dtype} tokens; the files do not belong together")
-    return TokenDataset(np.memmap(path, dtype=dtype, mode="r"), str(path), meta.get("vocab_size"))
+    return TokenDataset(np.memmap(path, dtype=dtype, mode="r"), str(path), meta.get("vocab_size"),
+                        meta.get("end_of_document"))
 
 
 def open_dataset(path: str | None, tokenizer: Tokenizer | None = None, min_tokens: int = 0) -> TokenDataset:
@@ -206,6 +228,15 @@ def open_dataset(path: str | None, tokenizer: Tokenizer | None = None, min_token
 
 
 def default_dataset(tokenizer: Tokenizer | None = None) -> TokenDataset:
-    """The built-in English-like corpus (~1.2 MB), tokenized in memory."""
+    """The built-in English-like corpus (~1.2 MB), tokenized in memory: each story a document closed by
+    the tokenizer's end-of-document token (when it has one)."""
     tokenizer = tokenizer or ByteTokenizer()
-    return TokenDataset(tokenize_text(builtin_corpus(), tokenizer), "builtin", tokenizer.vocab_size)
+    if tokenizer.end_of_document is None:
+        return TokenDataset(tokenize_text(builtin_corpus(), tokenizer), "builtin", tokenizer.vocab_size)
+    tokens = tokenize_documents([story + "\n" for story in builtin_documents()], tokenizer)
+    return TokenDataset(tokens, "builtin", tokenizer.vocab_size, tokenizer.end_of_document)
+
+
+def end_of_document_id(dataset: TokenDataset, tokenizer: Tokenizer) -> int | None:
+    """The id that closes a document in `dataset`: the one its token file records, else the tokenizer's."""
+    return dataset.end_of_document if dataset.end_of_document is not None else tokenizer.end_of_document

@@ -9,9 +9,15 @@ from typing import Protocol
 from fivefold.errors import SpecError
 
 
+# Names of end-of-document tokens, in the order they are looked for in a tokenizer.json (GPT-2/Qwen, Llama 3,
+# Llama 2/Mistral, Gemma). Llama 3's <|eot_id|> ends a chat turn, not a document, so it is not here.
+END_OF_DOCUMENT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+
 class Tokenizer(Protocol):
     vocab_size: int
     name: str  # identifies the tokenizer in cache file names and sidecars
+    end_of_document: int | None  # the id that closes a packed document; None = the tokenizer has none
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -23,6 +29,8 @@ class ByteTokenizer:
 
     vocab_size = 256
     name = "byte"
+    # UTF-8 text never contains the NUL byte, so byte 0 can close a document without colliding with text.
+    end_of_document = 0
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -47,9 +55,12 @@ class HFTokenizer:
         self.path = path
         self.vocab_size = self._tokenizer.get_vocab_size()
         self.name = "hf-" + hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+        self.end_of_document = next((self._tokenizer.token_to_id(n) for n in END_OF_DOCUMENT_NAMES
+                                     if self._tokenizer.token_to_id(n) is not None), None)
 
     def encode(self, text: str) -> list[int]:
-        # No special tokens: a corpus is one long stream; documents are separated by the text itself.
+        # No special tokens added: a corpus is one long stream; an end-of-document token written in the text
+        # (e.g. "<|endoftext|>") is still recognised, which is how text files mark document boundaries.
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_many(self, texts: list[str]) -> list[list[int]]:

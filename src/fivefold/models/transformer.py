@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fivefold.models.attention import local_attention
 from fivefold.models.moe import MoE
 from fivefold.spec import ModelSpec
 
@@ -26,7 +27,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [seq, head_dim] for the given absolute positions.
+    """cos/sin tables [seq, head_dim] (or [batch, seq, head_dim]) for the given absolute positions.
 
     Computed in forward from `positions` (fp32, as HF does) rather than kept as a buffer: nothing to
     lose when the model is built on meta and moved with to_empty, and context parallel simply passes
@@ -34,7 +35,7 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     """
     exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
     inv_freq = 1.0 / (theta ** exponents)
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    freqs = positions.to(torch.float32)[..., None] * inv_freq  # [seq] or [batch, seq] positions
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -56,8 +57,12 @@ class Attention(nn.Module):
         self.wo = nn.Linear(spec.heads * spec.head_dim, spec.hidden, bias=bias)
         self.q_norm = nn.RMSNorm(spec.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
         self.k_norm = nn.RMSNorm(spec.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
+        # q, k, v [batch, seq, heads, head_dim], positions, documents -> [batch, seq, heads, head_dim];
+        # context parallel (runtime/context_parallel.py) swaps in its own that talks to the other cp ranks.
+        self.core = local_attention
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor | None = None
+                ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # Head counts come from the tensors (-1), so a TP-sharded module holding a slice of the heads
         # runs this code unchanged.
@@ -68,16 +73,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
-            cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads (and batch for 1-D positions)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [batch, heads, seq, head_dim]
-        repeats = q.shape[1] // k.shape[1]
-        if repeats > 1:  # GQA: each kv head serves `repeats` consecutive query heads (as HF repeat_kv)
-            k = k.repeat_interleave(repeats, dim=1)
-            v = v.repeat_interleave(repeats, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        out = self.core(q, k, v, positions, documents)
+        return self.wo(out.reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):
@@ -114,8 +114,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = make_norm(spec)
         self.feed_forward: nn.Module = MoE(spec) if spec.is_moe_layer(layer) else FeedForward(spec)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), positions)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), positions, documents)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -146,9 +147,14 @@ class Transformer(nn.Module):
         self.tie_weights()
         return self
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [batch, seq] (first stage) or hidden states [batch, seq, hidden] (later stages) ->
-        logits [batch, seq, vocab] (last stage) or hidden states."""
+        logits [batch, seq, vocab] (last stage) or hidden states.
+
+        `positions` ([seq] or [batch, seq]) are each token's position for RoPE/learned embeddings and for
+        the causal mask (default 0..seq-1); `documents` [batch, seq] (packed documents) keeps attention
+        inside each document. Context parallel passes the global positions of this rank's chunks."""
         seq = x.shape[1]
         if positions is None:
             positions = torch.arange(seq, device=x.device)
@@ -159,7 +165,7 @@ class Transformer(nn.Module):
         else:
             h = x
         for layer in self.layers.values():
-            h = layer(h, positions)
+            h = layer(h, positions, documents)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

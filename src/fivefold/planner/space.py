@@ -92,7 +92,9 @@ def degree_options(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                 continue
             for cp in divisors(world // (tp * pp)):
                 dp = world // (tp * pp * cp)
-                if cp > max_cp or not _allowed(cp, choices.cp) or not _allowed(dp, choices.dp) or train.seq_len % cp:
+                if cp > max_cp or not _allowed(cp, choices.cp) or not _allowed(dp, choices.dp):
+                    continue
+                if cp > 1 and train.seq_len % (2 * cp):  # context parallel cuts the sequence in 2*cp chunks
                     continue
                 if train.global_batch % dp:
                     continue

@@ -49,7 +49,10 @@ def check_runnable(plan: Plan, nproc: int, device: str = "cpu", gpus: int = 0, l
                     f"puts rank {rank} on device {device_index} (node {slots[device_index].node}) but torchrun "
                     f"starts rank {rank} on node {slots[rank].node}; across machines the runtime permutes devices "
                     "within a node only")
-    require(plan.cp == 1, "plan.cp", plan.cp, "context parallelism is not in the runtime yet; use cp=1")
+    if plan.cp > 1 and plan.sequence_parallel:
+        local = plan.train.seq_len // plan.cp
+        require(local % plan.tp == 0, "plan.sequence_parallel", True,
+                f"each cp rank holds seq_len/cp = {local} tokens, which tp={plan.tp} must divide")
     if plan.model.is_moe:
         from fivefold.runtime.expert_parallel import check_moe_runnable
         check_moe_runnable(plan)
@@ -142,6 +145,13 @@ def check_data(plan: Plan, data: str | None, tokenizer: str | None) -> None:
     require(tok.vocab_size <= plan.model.vocab, "--tokenizer", tokenizer or "bytes",
             f"has {tok.vocab_size} tokens but model.vocab={plan.model.vocab}; use a larger vocab")
     dataset = open_dataset(data, tok, min_tokens=plan.train.seq_len + 1)
+    if plan.train.document_mask:
+        from fivefold.data import end_of_document_id
+        from fivefold.data.tokenizer import END_OF_DOCUMENT_NAMES
+
+        require(end_of_document_id(dataset, tok) is not None, "--document-mask", True,
+                f"the tokenizer {tokenizer} has no end-of-document token (one of {', '.join(END_OF_DOCUMENT_NAMES)}) "
+                "to split packed documents at; use a tokenizer that has one, or leave out --document-mask")
     if dataset.vocab_size is not None:
         require(dataset.vocab_size <= plan.model.vocab, "--data", dataset.name,
                 f"was tokenized with {dataset.vocab_size} tokens but model.vocab={plan.model.vocab}")

@@ -85,6 +85,7 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, plan: Plan) -> 
             names = grad.device_mesh.mesh_dim_names or ()
             # Shard and FSDP2+TP's _StridedShard (not a Shard subclass) both split the tensor.
             sharded = {names[i] for i, pl in enumerate(grad.placements) if not pl.is_replicate()}
+            sharded |= {dim for name in sharded for dim in name.split("_")}  # FSDP's flattened "dp_cp" mesh
             local = grad.to_local()
         else:
             sharded, local = set(), grad

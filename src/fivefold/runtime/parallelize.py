@@ -39,10 +39,12 @@ from fivefold.models import MoE, Transformer
 
 # --- tensor parallel -------------------------------------------------------------------------------
 
-def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool,
+                          positions_per_row: bool = False) -> None:
     """Megatron-style TP through DTensor: q/k/v and w1/w3 split by columns, wo and w2 by rows, the
     embedding split by vocabulary rows. With sequence parallel the norms and the residual stream are
-    split along the sequence (all-gather before attention/MLP, reduce-scatter after)."""
+    split along the sequence (all-gather before attention/MLP, reduce-scatter after).
+    `positions_per_row`: the runtime passes positions [batch, seq] (context parallel, packed documents)."""
     seq = Shard(1) if sequence_parallel else Replicate()
     top: dict[str, object] = {}
     if model.tok_embeddings is not None:
@@ -50,8 +52,10 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
     if model.pos_embeddings is not None:
         # The position table's output is [seq, hidden] and broadcasts over the batch: its sequence dim
         # is dim 0, so under SP it is reduce-scattered to Shard(0) to line up with the tokens' Shard(1).
+        # Positions given per row make it [batch, seq, hidden], sequence on dim 1 like the tokens.
+        seq_dim = 1 if positions_per_row else 0
         top["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
-                                                output_layouts=Shard(0) if sequence_parallel else Replicate())
+                                                output_layouts=Shard(seq_dim) if sequence_parallel else Replicate())
     if model.norm is not None and sequence_parallel:
         top["norm"] = SequenceParallel()
     if model.output is not None:
@@ -74,9 +78,9 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
         if sequence_parallel:
             block_plan.update({
                 "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-                # attention(x, positions): gather x along the sequence, leave positions alone.
-                "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                                desired_input_layouts=(Replicate(), None)),
+                # attention(x, positions, documents): gather x along the sequence, leave the others alone.
+                "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                desired_input_layouts=(Replicate(), None, None)),
                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             })
             if moe:

@@ -32,6 +32,8 @@ from fivefold.elastic.restart import resume_point
 from fivefold.models import init_weights
 from fivefold.runtime.checkpointing import Checkpointer, log_to
 from fivefold.runtime.config import RunConfig, check_gpu_dtype
+from fivefold.runtime.context_parallel import (apply_context_parallel, data_parallel_mesh, positions_per_row,
+                                               shard_batch, split_micro_batches)
 from fivefold.runtime.elastic_run import ElasticRun
 from fivefold.runtime.expert_parallel import (expert_mesh, forget_metadata_inference, moe_step_metrics,
                                               prepare_moe)
@@ -70,15 +72,18 @@ def build_model_parts(plan: Plan, mesh: Mesh, seed: int, param_dtype: torch.dtyp
     """This rank's stage models, keyed by virtual stage index, parallelized and initialised."""
     parts = {}
     moe_mesh = expert_mesh(plan, mesh.device) if plan.ep > 1 else None
+    dp_mesh = data_parallel_mesh(mesh.world, plan) if plan.dp * plan.cp > 1 else None
     for stage in plan.stages_of(mesh.coords["pp"]):
         model = knobs.stage_model(build_stage_model(plan, stage), plan, mesh.rank)
         if plan.tp > 1:
-            apply_tensor_parallel(model, mesh["tp"], plan.sequence_parallel)
+            apply_tensor_parallel(model, mesh["tp"], plan.sequence_parallel, positions_per_row(plan))
+        if plan.cp > 1:
+            apply_context_parallel(model, mesh.group("cp"), plan.cp_method)
         apply_activation_checkpointing(model, plan.recompute)
         if plan.model.is_moe:
             prepare_moe(model, plan, moe_mesh, param_dtype)  # experts over ep, before dp wraps the blocks
-        if plan.dp > 1:
-            apply_data_parallel(model, mesh["dp"], plan.zero, param_dtype)
+        if dp_mesh is not None:  # gradients summed over dp x cp
+            apply_data_parallel(model, dp_mesh, plan.zero, param_dtype)
         model.to_empty(device=mesh.device)
         init_weights(model, seed)
         model.train()
@@ -101,10 +106,19 @@ def make_loader(config: RunConfig, plan: Plan) -> GlobalBatchLoader:
                              seed=config.seed)
 
 
+def end_of_document_of(config: RunConfig, loader) -> int:
+    """The id that closes packed documents in this run's data (checked before launch: there is one)."""
+    from fivefold.data import end_of_document_id, load_tokenizer
+
+    found = end_of_document_id(loader.dataset, load_tokenizer(config.tokenizer))
+    assert found is not None, "check_data refuses --document-mask without an end-of-document token"
+    return found
+
+
 def reduce_loss(local_loss: torch.Tensor, plan: Plan, mesh: Mesh) -> float:
     """The step's global loss: summed over the pipeline (only the last stage holds a loss) and over
-    the data-parallel replicas (each holds its rows' share)."""
-    for dim in ("pp", "dp"):
+    the data-parallel replicas (each holds its rows' share) and the cp ranks (each its tokens' share)."""
+    for dim in ("pp", "dp", "cp"):
         if getattr(plan, dim) > 1:
             dist.all_reduce(local_loss, group=mesh.group(dim))
     return local_loss.item()
@@ -124,22 +138,25 @@ class StepModel:
     autocast: Any  # bf16 autocast without FSDP's mixed precision, else a null context
 
 
-def forward_backward(model: StepModel, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def forward_backward(model: StepModel, inputs: torch.Tensor, targets: torch.Tensor,
+                     extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Forward and backward of this replica's rows, micro-batch by micro-batch, gradients accumulated in the
     parameters: through the pipeline schedule, or in a plain loop whose last micro-batch syncs the gradients.
+    `extra`: the model's keyword inputs per row (positions, document ids; context_parallel.shard_batch).
     This rank's share of the loss (zero on pipeline ranks without the last stage)."""
     plan = model.plan
     with model.autocast:
         if model.schedule is not None:
-            local_loss = run_schedule(model.schedule, plan, list(model.parts), inputs, targets)
+            local_loss = run_schedule(model.schedule, plan, list(model.parts), inputs, targets, extra)
             return local_loss if local_loss is not None else torch.zeros((), device=model.device)
         local_loss = torch.zeros((), device=model.device)
         whole = model.parts[0]
+        mb_extras = split_micro_batches(extra or {}, plan.micro_batch)
         for index, (mb_inputs, mb_targets) in enumerate(zip(inputs.split(plan.micro_batch),
                                                             targets.split(plan.micro_batch))):
             set_gradient_sync(whole, plan.zero, last_micro_batch=index == model.micro_batches - 1)
             with model.tracer.span(FORWARD, 0, index):
-                loss = model.loss_fn(whole(mb_inputs), mb_targets)
+                loss = model.loss_fn(whole(mb_inputs, **(mb_extras[index] if mb_extras else {})), mb_targets)
             with model.tracer.span(BACKWARD, 0, index):
                 loss.backward()
             local_loss += loss.detach()
@@ -182,6 +199,7 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
                 else contextlib.nullcontext())
     step_model = StepModel(plan, device, parts, loss_fn, micro_batches, schedule, tracer, autocast)
     rows = replica_rows(plan, dp_rank)
+    end_of_document = end_of_document_of(config, loader) if plan.train.document_mask else None
 
     first_step = elastic.start(parts, Checkpointer(config, plan, mesh, parts, optimizer, loader))  # > 0: resumed
     meter = StepMeter(plan, device, mesh.rank, "fp32" if param_dtype is None else "bf16", first_step)
@@ -199,7 +217,9 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
         set_lr(optimizer, lr)
         batch = loader.next_batch()[rows].to(device, non_blocking=True)
 
-        local_loss = forward_backward(step_model, batch[:, :-1], batch[:, 1:])
+        # This cp rank's columns (all of them without cp), and positions / document ids when needed.
+        inputs, targets, extra = shard_batch(plan, mesh.coords["cp"], batch[:, :-1], batch[:, 1:], end_of_document)
+        local_loss = forward_backward(step_model, inputs, targets, extra)
         grad_norm = clip_grad_norm_(params, config.grad_clip, plan)
         loss = reduce_loss(local_loss, plan, mesh)
         verdict = elastic.judge(loss, grad_norm)

@@ -26,6 +26,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
 SPLIT_BACKWARD = ("zb-h1", "zbv")  # zero-bubble schedules: the backward runs as an input (I) and a weight (W) pass
 RECOMPUTE = ("none", "selective", "full")
 ZERO_LEVELS = (0, 1, 2, 3)
+CP_METHODS = ("allgather", "ulysses")  # Llama 3's K/V all-gather, DeepSpeed Ulysses' all-to-all over heads
 
 
 def stage_owner(schedule: str, pp: int, stage: int) -> int:
@@ -117,6 +118,7 @@ class Plan(MeshRanks):
     tp: int = 1  # tensor-parallel degree
     pp: int = 1  # pipeline-parallel degree (ranks per pipeline)
     cp: int = 1  # context-parallel degree (sequence split inside attention)
+    cp_method: str = "allgather"  # allgather (K/V all-gathered) | ulysses (all-to-all sequence <-> heads)
     ep: int = 1  # expert-parallel degree, carved out of dp x cp (MoE only)
     zero: int = 0  # 0 = replicated, 1 = optimizer, 2 = +gradients, 3 = +parameters (FSDP)
     micro_batch: int = 1  # sequences per micro-batch on one replica
@@ -165,7 +167,7 @@ class Plan(MeshRanks):
     def describe(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
         if self.cp > 1:
-            parts.append(f"cp{self.cp}")
+            parts.append(f"cp{self.cp}" + ("-ulysses" if self.cp_method == "ulysses" else ""))
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         text = " ".join(parts) + f" mb{self.micro_batch}x{self.num_micro_batches}"
@@ -209,11 +211,23 @@ class Plan(MeshRanks):
                 f"valid: {', '.join(map(str, divisors(m.kv_heads)))}")
         ffn = m.expert_ffn_hidden if m.is_moe else m.ffn_hidden
         require(ffn % self.tp == 0, "plan.tp", self.tp, f"must divide the MLP width {ffn}")
-        require(t.seq_len % self.cp == 0, "plan.cp", self.cp, f"must divide train.seq_len={t.seq_len}")
+        require(self.cp_method in CP_METHODS, "plan.cp_method", self.cp_method, f"use one of {', '.join(CP_METHODS)}")
+        if self.cp > 1:
+            # 2*cp chunks, rank r holding chunks r and 2*cp-1-r, balance the causal attention work.
+            require(t.seq_len % (2 * self.cp) == 0, "train.seq_len", t.seq_len,
+                    f"must be divisible by 2*cp={2 * self.cp} (context parallel cuts the sequence into 2*cp chunks)")
+        if self.cp > 1 and self.cp_method == "ulysses":
+            for field, heads in (("heads", m.heads), ("kv_heads", m.kv_heads)):
+                per_tp = heads // self.tp if heads % self.tp == 0 else heads
+                require(per_tp % self.cp == 0, "plan.cp", self.cp,
+                        f"ulysses splits attention heads over cp: model.{field}={heads} / tp={self.tp} = {per_tp} "
+                        f"per tp rank is not divisible by cp={self.cp}; use --cp-method allgather")
         if t.seq_len > m.max_seq_len:
             table = "the learned position table" if m.position == "learned" else "what the model is built for"
-            raise SpecError("train.seq_len", t.seq_len, f"longer than {table} (model.max_seq_len={m.max_seq_len}); "
-                            f"use --seq-len {m.max_seq_len} or less, or a model with a larger max_seq_len")
+            # Also under cp: each rank embeds or rotates the global positions of its chunks, up to seq_len - 1.
+            beyond = f"; context parallel (cp={self.cp}) does not lift that limit" if self.cp > 1 else ""
+            raise SpecError("train.seq_len", t.seq_len, f"longer than {table} (model.max_seq_len={m.max_seq_len})"
+                            f"{beyond}; use --seq-len {m.max_seq_len} or less, or a model with a larger max_seq_len")
         if m.is_moe:
             require((self.dp * self.cp) % self.ep == 0, "plan.ep", self.ep,
                     f"must divide dp*cp={self.dp * self.cp} (experts are spread over data-parallel ranks)")

@@ -24,11 +24,15 @@ class TrainSpec:
     #                       BF16 elsewhere, as TorchTitan's Float8 and Megatron's FP8 recipes)
     optimizer: str = "adamw"  # only AdamW for now
     expert_imbalance: float = 1.0  # MoE: tokens of the busiest rank's experts / the mean (1 = balanced)
+    # Packed documents: positions restart at each end-of-document token and attention stays inside each
+    # document (the runtime builds the mask from document ids; the cost model is unchanged by it).
+    document_mask: bool = False
 
     def __post_init__(self) -> None:
         check_count(self.seq_len, "train.seq_len")
         check_count(self.global_batch, "train.global_batch", what="sequences per step")
         require(isinstance(self.dtype, str) and self.dtype in DTYPES, "train.dtype", self.dtype, f"use one of {', '.join(DTYPES)}")
+        require(isinstance(self.document_mask, bool), "train.document_mask", self.document_mask, "use true or false")
         require(isinstance(self.optimizer, str) and self.optimizer in OPTIMIZERS, "train.optimizer", self.optimizer,
                 f"use one of {', '.join(OPTIMIZERS)}")
         require(isinstance(self.expert_imbalance, (int, float)) and self.expert_imbalance >= 1.0,
