@@ -9,7 +9,8 @@ zero-bubble schedules need (Qi et al. 2024).
 
 A pass is the slower of the GPU work and the CPU time to issue its kernels (small models on fast GPUs
 are launch-bound). TP, CP and EP collectives are not overlapped with compute (Megatron's default), except
-the ring-attention KV exchange of context parallelism, which hides behind the attention of earlier chunks.
+context parallelism's K/V all-gather, which partly hides behind the attention of the local chunk
+(cost/context.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import dataclasses
 
 from dataclasses import dataclass
 
-from fivefold.cost.comm import GroupLink, all_gather_time, all_reduce_time, all_to_all_time, p2p_time
+from fivefold.cost.comm import GroupLink, all_gather_time, all_reduce_time, all_to_all_time
+from fivefold.cost.context import context_parallel_comm
 from fivefold.cost.compute import Device, elementwise_time, flash_attention_time, gemm_time
 from fivefold.cost.moe import all_to_all_bytes, routed_rows, split_by_layer_kind
 from fivefold.cost.stack import SoftwareStack, eager_ops
@@ -143,6 +145,7 @@ class LayerShape:
     sequence_parallel: bool
     recompute: str
     expert_imbalance: float = 1.0  # busiest rank's expert rows / the mean (TrainSpec.expert_imbalance)
+    cp_method: str = "allgather"  # allgather | ulysses (cost/context.py)
 
 
 def _tp_collectives(work: _Work, num_bytes: float, link: GroupLink, sequence_parallel: bool,
@@ -217,7 +220,7 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
         work.elementwise(device, rope_bytes, rope_bytes, 2, 2)
     attention_start = work.forward
     if stack.attention == "flash":
-        before = work.forward
+        before, before_back = work.forward, work.backward_input
         # Sliding-window layers are a share of the blocks: this average block carries that share of them.
         sliding = m.sliding_layers / m.layers
         for share, window in ((1.0 - sliding, 0), (sliding, m.sliding_window)):
@@ -229,14 +232,9 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
         work.forward_kernels += 1
         work.backward_kernels += 2
         # Selective recompute adds nothing here: FlashAttention's backward recomputes the scores itself.
-        if cp_link.size > 1:
-            # Ring attention: each step passes this rank's K and V chunk on and overlaps the next chunk.
-            kv_bytes = 2 * tokens * kv // t * e
-            forward_comm = (cp_link.size - 1) * p2p_time(kv_bytes, cp_link)
-            attention_forward = work.forward - before
-            exposed_forward = max(0.0, forward_comm - attention_forward * (cp_link.size - 1) / cp_link.size)
-            exposed_backward = max(0.0, 2 * forward_comm - attention_forward * 2.5)
-            work.collective("cp", exposed_forward, exposed_backward)
+        if cp_link.size > 1:  # K/V all-gather or Ulysses all-to-alls, partly under attention (cost/context.py)
+            work.collective("cp", *context_parallel_comm(m, shape.seq_len, b, t, shape.cp_method, cp_link, e,
+                                                         work.forward - before, work.backward_input - before_back))
     else:
         # Materialized scores (Megatron-LM before FlashAttention): Q K^T, fused scale-mask-softmax,
         # dropout, P V, each writing or reading the b * heads * s * s score tensor.

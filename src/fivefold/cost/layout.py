@@ -33,7 +33,7 @@ class Layout(MeshRanks):
     The rank arithmetic is Plan's own (both are spec.plan.MeshRanks), so both agree by construction.
     """
 
-    __slots__ = ("model", "cluster", "train", "dp", "tp", "pp", "cp", "ep", "zero", "micro_batch",
+    __slots__ = ("model", "cluster", "train", "dp", "tp", "pp", "cp", "cp_method", "ep", "zero", "micro_batch",
                  "schedule", "virtual_stages", "layers_per_stage", "recompute", "sequence_parallel",
                  "placement", "num_micro_batches", "replica_micro_batches")
     if TYPE_CHECKING:  # the slots' types (Plan's fields of the same names)
@@ -201,7 +201,8 @@ def _build_rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
 def layer_costs(layout: Layout, env: RankEnv, stack: SoftwareStack) -> LayerCosts:
     """The PassCosts and bytes of one layer, the embedding and the head on a rank like `env`, cached."""
     shape = LayerShape(layout.model, layout.train.seq_len, layout.micro_batch, layout.tp, layout.cp, layout.ep,
-                       layout.sequence_parallel, layout.recompute, layout.train.expert_imbalance)
+                       layout.sequence_parallel, layout.recompute, layout.train.expert_imbalance,
+                       cp_method=layout.cp_method)
     device = env.device
     key = (shape, device.spec.name, device.peak, device.fp8_gemm_peak, device.bandwidth, device.element_bytes,
            device.gemm_curve, stack,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from fivefold.cost.context import context_parallel_kept_bytes
 from fivefold.cost.layer import LayerShape
 from fivefold.cost.moe import split_by_layer_kind
 from fivefold.spec.units import GIB
@@ -115,6 +116,7 @@ def layer_activation_bytes(shape: LayerShape, dropout: bool, attention: str, ele
         sharded += shape.micro_batch * m.heads * (shape.seq_len // shape.cp) * shape.seq_len * (e + mask * (1 + e))
     elif attention == "flash":
         sharded += tokens * m.heads * 4  # fp32 log-sum-exp per query row
+    sharded += context_parallel_kept_bytes(m, shape.seq_len, shape.micro_batch, shape.cp, shape.cp_method, e)
     return replicated * replicated_share + sharded / t
 
 

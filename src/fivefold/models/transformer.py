@@ -35,7 +35,10 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     """
     exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
     inv_freq = 1.0 / (theta ** exponents)
-    freqs = positions.to(torch.float32)[..., None] * inv_freq  # [seq] or [batch, seq] positions
+    if positions.dim() == 1:
+        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    else:  # [batch, seq] positions (context parallel, packed documents)
+        freqs = positions.to(torch.float32)[..., None] * inv_freq
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -73,7 +76,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
-            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads (and batch for 1-D positions)
+            if positions.dim() == 1:  # one table for every row
+                cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+            else:  # per-row positions (context parallel, packed documents)
+                cos, sin = cos[:, :, None, :], sin[:, :, None, :]
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
         out = self.core(q, k, v, positions, documents)

@@ -34,8 +34,9 @@ from fivefold.planner.candidates import Candidate, NoFeasiblePlan, SearchResult
 from fivefold.planner.explain import infeasible_message
 from fivefold.planner.mixed import (REPLICAS, STAGES, PlacementOption, fit_memory, is_mixed, placement_options,
                                     replica_shares, roomier, speed_balanced_layers, work_bound)
-from fivefold.planner.space import (Choices, balanced_layers, check_stack_choices, degree_options,
-                                    micro_batch_options, recompute_options, schedule_options, sequence_parallel_option, zero_options)
+from fivefold.planner.space import (Choices, balanced_layers, check_stack_choices, cp_method_options, degree_options,
+                                    micro_batch_options, recompute_options, schedule_options, sequence_parallel_option,
+                                    zero_options)
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import Plan, default_layers_per_stage, stage_owners
@@ -58,6 +59,7 @@ class _Found:
     layers_per_stage: tuple[int, ...] = field(compare=False)
     option: PlacementOption | None = field(compare=False, default=None)  # None: identity, one device type
     replica_micro_batches: tuple[int, ...] = field(compare=False, default=())  # () = even
+    cp_method: str = field(compare=False, default="allgather")
 
 
 class _Context:
@@ -69,6 +71,7 @@ class _Context:
         self.model, self.cluster, self.train, self.choices = model, cluster, train, choices
         self.stack, self.headroom, self.cost, self.threshold = stack, headroom, cost, threshold
         self.mixed = is_mixed(cluster)
+        self.cp_method = "allgather"  # the context-parallel method of the degrees being searched
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Choices | None = None,
@@ -107,8 +110,9 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
         return score
 
     ctx = _Context(model, cluster, train, choices, stack, headroom, cost, threshold)
-    ordered = _order_by_bound(ctx, degrees)
-    for done, (dp, tp, pp, cp, ep) in enumerate(ordered):
+    ordered = _order_by_bound(ctx, [(d, method) for d in degrees
+                                    for method in cp_method_options(model, d[1], d[3], choices, stack)])
+    for done, ((dp, tp, pp, cp, ep), ctx.cp_method) in enumerate(ordered):
         if progress is not None and time.perf_counter() - last_report > 0.25:
             last_report = time.perf_counter()
             progress(done, len(ordered), last_report - started)
@@ -149,6 +153,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
 
     explanation = explain_difference(candidates[0], candidates[1]) if len(candidates) > 1 else \
         "only one plan fits"
+    ctx.cp_method = ranked[0].cp_method  # the alternatives keep the winner's method
     placement = explain_placement(candidates[0], *_alternatives(ctx, ranked[0])) if ctx.mixed else []
     return SearchResult(candidates[:top], examined, costed, time.perf_counter() - started, explanation,
                         placement=placement)
@@ -282,7 +287,8 @@ def _found(score: Score, signature: tuple, variant: tuple[str, int], sequence_pa
     dp, tp, pp, cp, ep, micro_batch, schedule, virtual = signature
     parts = (cp > 1) + (ep > 1) + (pp > 1) + (virtual > 1) + variant[1] + (variant[0] == "full")
     return _Found(score.step_time_s * (1 + SIMPLICITY_MARGIN * parts), score.step_time_s, signature, variant[0],
-                  variant[1], sequence_parallel, layout.layers_per_stage, option, layout.replica_micro_batches)
+                  variant[1], sequence_parallel, layout.layers_per_stage, option, layout.replica_micro_batches,
+                  layout.cp_method)
 
 
 def _split(ctx: _Context, signature: tuple, sequence_parallel: bool, rc: str,
@@ -320,8 +326,8 @@ def _layout(ctx: _Context, signature: tuple, layers_per_stage: tuple[int, ...], 
             sequence_parallel: bool, zero: int, option: PlacementOption | None = None,
             replicas: tuple[int, ...] = ()) -> Layout:
     dp, tp, pp, cp, ep, micro_batch, schedule, virtual = signature
-    layout = Layout(model=ctx.model, cluster=ctx.cluster, train=ctx.train, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep,
-                    zero=zero, micro_batch=micro_batch, schedule=schedule, virtual_stages=virtual,
+    layout = Layout(model=ctx.model, cluster=ctx.cluster, train=ctx.train, dp=dp, tp=tp, pp=pp, cp=cp,
+                    cp_method=ctx.cp_method, ep=ep, zero=zero, micro_batch=micro_batch, schedule=schedule, virtual_stages=virtual,
                     layers_per_stage=tuple(layers_per_stage), recompute=recompute,
                     sequence_parallel=sequence_parallel, placement=option.devices if option is not None else (),
                     num_micro_batches=ctx.train.global_batch // (dp * micro_batch), replica_micro_batches=replicas)
@@ -332,7 +338,7 @@ def _layout(ctx: _Context, signature: tuple, layers_per_stage: tuple[int, ...], 
 
 def _plan(ctx: _Context, found: _Found, **changes: object) -> Plan:
     dp, tp, pp, cp, ep, micro_batch, schedule, virtual = found.signature
-    fields = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=found.zero, micro_batch=micro_batch, schedule=schedule,
+    fields = dict(dp=dp, tp=tp, pp=pp, cp=cp, cp_method=found.cp_method, ep=ep, zero=found.zero, micro_batch=micro_batch, schedule=schedule,
                   virtual_stages=virtual, layers_per_stage=found.layers_per_stage, recompute=found.recompute,
                   sequence_parallel=found.sequence_parallel,
                   placement=found.option.devices if found.option is not None else (),
@@ -379,10 +385,11 @@ def _alternatives(ctx: _Context, found: _Found) -> tuple[list[tuple[PlacementOpt
     return others, Candidate(even, estimate(even, ctx.stack, ctx.headroom))
 
 
-def _order_by_bound(ctx: _Context, degrees) -> list[tuple[int, int, int, int, int]]:
-    """Degrees sorted by the lower bound of their smallest micro-batch (promising layouts first)."""
+def _order_by_bound(ctx: _Context, degrees: list[tuple[tuple[int, int, int, int, int], str]]
+                    ) -> list[tuple[tuple[int, int, int, int, int], str]]:
+    """(degrees, cp method) sorted by the lower bound of their smallest micro-batch (promising layouts first)."""
     keyed = []
-    for dp, tp, pp, cp, ep in degrees:
+    for (dp, tp, pp, cp, ep), ctx.cp_method in degrees:
         micro_batches = micro_batch_options(ctx.train, dp, ctx.choices, pp, ctx.stack)
         if not micro_batches:
             continue
@@ -390,9 +397,9 @@ def _order_by_bound(ctx: _Context, degrees) -> list[tuple[int, int, int, int, in
         probe = _layout(ctx, (dp, tp, pp, cp, ep, micro_batch, "1f1b", 1), (1,) * pp, "none",
                         sequence_parallel_option(tp, ctx.choices), 0)
         bound, _ = _family_bound(ctx, probe, ctx.train.global_batch // (dp * micro_batch))
-        keyed.append((bound, (dp, tp, pp, cp, ep)))
+        keyed.append((bound, (dp, tp, pp, cp, ep), ctx.cp_method))
     keyed.sort()
-    return [degrees for _, degrees in keyed]
+    return [(degrees, method) for _, degrees, method in keyed]
 
 
 def _fixed_text(choices: Choices) -> str:

@@ -42,6 +42,7 @@ class Choices:
     sequence_parallel: bool | None = None
     zero: int | None = None
     layers_per_stage: tuple[int, ...] | None = None
+    cp_method: str | None = None
 
     def __post_init__(self) -> None:
         # A fixed choice of 0 or less is a mistake, never "search over it" (that is None).
@@ -65,6 +66,8 @@ def check_stack_choices(stack: SoftwareStack, choices: Choices, train: TrainSpec
         value = getattr(choices, dim)
         if value is not None and value > 1 and dim not in features.parallelisms:
             raise SpecError(f"--{dim}", value, f"the {stack.name} stack has no {dim} parallelism; {can}")
+    if choices.cp_method is not None and choices.cp_method not in features.cp_methods:
+        raise SpecError("--cp-method", choices.cp_method, f"not in the {stack.name} stack; {can}")
     if choices.schedule is not None and choices.schedule not in features.schedules:
         raise SpecError("--schedule", choices.schedule, f"not in the {stack.name} stack; {can}")
     if choices.zero is not None and choices.zero not in features.zero_levels:
@@ -253,3 +256,13 @@ def balanced_replicas(micro_batches: int, seconds_per_micro_batch: list[float], 
         counts[replica] += unit
         heapq.heappush(heap, ((counts[replica] + unit) * seconds_per_micro_batch[replica], replica))
     return tuple(counts)
+
+
+def cp_method_options(model: ModelSpec, tp: int, cp: int, choices: Choices, stack: SoftwareStack) -> list[str]:
+    """Context-parallel methods for cp > 1 that the stack runs and the heads allow (Ulysses splits the heads
+    and kv_heads of each tp rank over cp); with cp = 1 the method is moot and the default is kept."""
+    if cp == 1:
+        return ["allgather"]
+    methods = [choices.cp_method] if choices.cp_method else list(stack.features.cp_methods)
+    heads_split = (model.heads // tp) % cp == 0 and (model.kv_heads // tp) % cp == 0
+    return [m for m in methods if m in stack.features.cp_methods and (m != "ulysses" or heads_split)]

@@ -62,8 +62,8 @@ from operator import itemgetter
 from typing import Sequence
 
 from fivefold.errors import SpecError
-from fivefold.sim.replay import (EMBEDDING_SYNC, GRAD_REDUCE, OPTIMIZER, PARAM_GATHER,  # noqa: F401 (re-exported)
-                                 SEND_ACTIVATION, SEND_GRADIENT, Event, Replay)
+from fivefold.sim.replay import (CONTEXT_EXCHANGE, EMBEDDING_SYNC, GRAD_REDUCE, OPTIMIZER,  # noqa: F401 (re-exported)
+                                 PARAM_GATHER, SEND_ACTIVATION, SEND_GRADIENT, Event, Replay)
 from fivefold.sim.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD,  # noqa: F401 (re-exported)
                                     SPLIT_BACKWARD, rank_orders)
 from fivefold.sim.summary import COMPUTE_KINDS, RankResult, rank_result  # noqa: F401 (COMPUTE_KINDS: re-exported)
@@ -86,6 +86,8 @@ class StageTimes:
     reshard_after_forward: bool = False  # weights freed after a forward (ZeRO-3): the next pass gathers
     reshard_after_backward: bool = False  # weights freed after a backward: the next forward gathers
     buckets: int = 1  # layers: gradient buckets / gathered modules that are ready one by one
+    cp_forward: float = 0.0  # exposed context-parallel communication inside `forward` (already counted there)
+    cp_backward: float = 0.0  # ... inside `backward_input`
 
 
 @dataclass(frozen=True)

@@ -176,16 +176,21 @@ def from_estimate(plan: Plan, estimate: Any, stage_scale: dict[int, float] | Non
     sync = data_parallel_sync(stack, plan.zero, plan.pp)
     collectives, tied = _collectives(plan, stack)
     stages = []
+    # The estimate carries each stage's CP seconds per micro-batch (forward + backward, with the forward's
+    # again under full recompute); forward and backward exchange about the same volume.
+    forward_share = 1.0 / (3.0 if plan.recompute == "full" else 2.0)
     for index, cost in enumerate(costs):
         scale = stage_scale.get(index, 1.0)
         reduce, gather = collectives[index]
+        cp_seconds = float(getattr(cost, "cp_comm", 0.0) or 0.0)
         stages.append(StageTimes(
             forward=cost.forward * scale, backward_input=cost.backward_input * scale,
             backward_weight=cost.backward_weight * scale, send_activation=cost.send_activation,
             activation_bytes=cost.activation_bytes, static_bytes=cost.static_bytes,
             grad_reduce=reduce, reduce_every_micro_batch=sync.reduce_every_micro_batch, param_gather=gather,
             reshard_after_forward=sync.reshard_after_forward, reshard_after_backward=sync.reshard_after_backward,
-            buckets=plan.layers_per_stage[index]))
+            buckets=plan.layers_per_stage[index], cp_forward=cp_seconds * forward_share * scale,
+            cp_backward=cp_seconds * (1.0 - forward_share) * scale))
     base = tuple(m.transient + m.reserved for m in getattr(estimate, "rank_memory", ()))
     optimizer = float(getattr(estimate, "optimizer_s", 0.0) or 0.0)
     title = plan.describe() + f" on {plan.cluster.label}, {plan.model.name}"

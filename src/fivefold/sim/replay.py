@@ -23,13 +23,14 @@ SEND_GRADIENT = "send-gradient"
 GRAD_REDUCE = "grad-reduce"
 PARAM_GATHER = "param-gather"
 EMBEDDING_SYNC = "embedding-sync"
+CONTEXT_EXCHANGE = "cp-exchange"  # context parallel's K/V all-gather or Ulysses all-to-alls, lane "cp"
 
 
 class Event(NamedTuple):
     """One bar of the timeline (a tuple: hundreds of thousands are made for a big plan)."""
 
     rank: int  # the row: pp rank, plus replica * pp when replicas that differ are simulated
-    lane: str  # "compute" or "comm"
+    lane: str  # "compute", "comm", or "cp" (context-parallel exchange inside a compute pass)
     kind: str  # F, B, I, W, optimizer; send-activation, send-gradient, grad-reduce, param-gather, embedding-sync
     start: float  # seconds from the start of the step
     end: float
@@ -202,6 +203,10 @@ class Replay:
             cursor[rank] = index + 1
             done += 1
             events.append(_new_tuple(Event, (row + rank, "compute", kind, start, end, stage, micro_batch, -1)))
+            exchange = times.cp_forward if kind == FORWARD else \
+                times.cp_backward if kind == BACKWARD or kind == BACKWARD_INPUT else 0.0
+            if exchange > 0:  # part of the pass's time; drawn at its start, one bar for all its layers
+                events.append(Event(row + rank, "cp", CONTEXT_EXCHANGE, start, start + exchange, stage, micro_batch))
             if kind == FORWARD:
                 if stage < last_stage:
                     ship(rank, stage + 1, FORWARD, micro_batch, end, sends[stage])

@@ -15,7 +15,7 @@ from fivefold.sim.engine import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, EMBE
 from fivefold.spec.units import GIB
 
 THREADS = {0: "compute", 1: "send to next rank", 2: "send to previous rank", 3: "gradient reduce",
-           4: "parameter gather"}
+           4: "parameter gather", 5: "context-parallel exchange (inside compute)"}
 EVENT_NAMES = {FORWARD: "forward", BACKWARD: "backward", BACKWARD_INPUT: "backward (input)",
                BACKWARD_WEIGHT: "backward (weight)", OPTIMIZER: "optimizer", GRAD_REDUCE: "gradient reduce",
                PARAM_GATHER: "parameter gather", EMBEDDING_SYNC: "tied-embedding all-reduce"}
@@ -41,7 +41,7 @@ def _events_json(events: list[Event]) -> list[str]:
                    f'"tid":{1 if peer > rank else 2},"ts":{ts:.3f},"dur":{dur:.3f},"args":{{"kind":"{kind}",'
                    f'"stage":{stage},"micro_batch":{micro_batch},"to_rank":{peer}}}}}')
             continue
-        tid = 0 if lane == "compute" else 4 if kind == PARAM_GATHER else 3
+        tid = 0 if lane == "compute" else 5 if lane == "cp" else 4 if kind == PARAM_GATHER else 3
         if micro_batch >= 0:
             name = f"{kind} s{stage} mb{micro_batch}"
             args = f'"kind":"{kind}","stage":{stage},"micro_batch":{micro_batch}'

@@ -1,0 +1,56 @@
+"""Context parallelism in the cost model: the communication of each method, what of it hides behind
+attention, and the memory it adds. No torch here.
+
+Work. Both methods leave each cp rank 1/cp of the causal attention work: allgather because rank r holds
+chunks r and 2*cp-1-r of 2*cp (its queries see s/cp * s/2 keys in total, whatever r is), ulysses because
+each rank attends the whole sequence for heads/cp of the heads. So layer.py times attention as s/cp query
+rows against s keys with the causal half, and every per-token part of the layer (GEMMs, norms, MLP) on s/cp
+tokens: the balanced share. (Without the mirror chunk, the last rank would do (2*cp-1)/cp of the average
+and set the pace.)
+
+Communication per layer and micro-batch, on the cp group's link (cost/comm.py's GroupLink, which is the
+slowest link among the group's ranks: NVLink inside a node, the NIC as soon as the group spans nodes):
+- allgather (Llama 3, TorchTitan): forward all-gathers K and V of the whole sequence, 2*b*s*kv_heads*d/tp
+  elements (GQA keeps this small: kv_heads, not heads); backward reduce-scatters their gradients, the same
+  volume. A rank can attend its own chunk while the rest arrives, so 1/cp of the attention hides the
+  gather; the reduce-scatter likewise overlaps 1/cp of the attention backward.
+- ulysses (DeepSpeed Ulysses): four all-to-alls forward (Q, K, V to head shards, the output back) and four
+  backward (their gradients), each rank sending its b*s/cp tokens' slice; nothing to overlap, since
+  attention needs every head shard first. Its volume per rank does not grow with cp; allgather's does.
+
+Memory: allgather keeps the gathered K and V (the other ranks' (cp-1)/cp share) for the attention backward,
+per layer; ulysses keeps head-sharded Q, K, V, the same size as the local ones it replaces.
+"""
+
+from __future__ import annotations
+
+from fivefold.cost.comm import GroupLink, all_gather_time, all_to_all_time, reduce_scatter_time
+
+
+def context_parallel_comm(model, seq_len: int, micro_batch: int, tp: int, method: str, link: GroupLink,
+                          element_bytes: int, attention_forward: float, attention_backward: float
+                          ) -> tuple[float, float]:
+    """Exposed (forward, backward) seconds of one layer's CP communication for one micro-batch."""
+    cp = link.size
+    if cp <= 1:
+        return 0.0, 0.0
+    kv_width = model.kv_heads * model.head_dim // tp
+    if method == "ulysses":
+        local_tokens = micro_batch * seq_len // cp
+        q_bytes = local_tokens * model.heads * model.head_dim // tp * element_bytes
+        kv_bytes = local_tokens * kv_width * element_bytes
+        seconds = 2 * all_to_all_time(q_bytes, link) + 2 * all_to_all_time(kv_bytes, link)  # q, out; k, v
+        return seconds, seconds
+    full_kv = 2 * micro_batch * seq_len * kv_width * element_bytes
+    gather, scatter = all_gather_time(full_kv, link), reduce_scatter_time(full_kv, link)
+    return max(0.0, gather - attention_forward / cp), max(0.0, scatter - attention_backward / cp)
+
+
+def context_parallel_kept_bytes(model, seq_len: int, micro_batch: int, cp: int, method: str,
+                                element_bytes: int) -> float:
+    """Bytes one layer keeps for backward because of CP, before the TP split (one micro-batch, one rank)."""
+    if cp <= 1 or method == "ulysses":
+        return 0.0
+    others = micro_batch * (seq_len - seq_len // cp)
+    return 2 * others * model.kv_heads * model.head_dim * element_bytes
+
