@@ -102,7 +102,8 @@ def hf_tokenizer_without_end_token(folder):
     with_end = Tokenizer(models.BPE(unk_token="[UNK]"))
     with_end.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     with_end.train_from_iterator(["some text"] * 10, trainers.BpeTrainer(
-        vocab_size=280, special_tokens=["[UNK]", "<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        vocab_size=280, special_tokens=["[UNK]", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     (folder / "with_end").mkdir()
     with_end.save(str(folder / "with_end" / "tokenizer.json"))
     return folder / "tokenizer.json", folder / "with_end" / "tokenizer.json"

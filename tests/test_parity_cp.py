@@ -69,8 +69,8 @@ def runs(tmp_path_factory) -> Path:
     data = sentence_documents(folder)
     saving = dict(checkpoint_every=SAVED_AT, checkpoint_async=False)
     references = [config(folder, data, "reference", make_plan(1, False)),
-                  config(folder, data, "reference+doc", make_plan(1, True), checkpoint_dir=str(folder / "reference+doc"),
-                         **saving)]
+                  config(folder, data, "reference+doc", make_plan(1, True),
+                         checkpoint_dir=str(folder / "reference+doc"), **saving)]
     layouts = []
     for doc in (False, True):
         for name, fields in LAYOUTS.items():

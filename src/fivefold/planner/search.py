@@ -327,7 +327,8 @@ def _layout(ctx: _Context, signature: tuple, layers_per_stage: tuple[int, ...], 
             replicas: tuple[int, ...] = ()) -> Layout:
     dp, tp, pp, cp, ep, micro_batch, schedule, virtual = signature
     layout = Layout(model=ctx.model, cluster=ctx.cluster, train=ctx.train, dp=dp, tp=tp, pp=pp, cp=cp,
-                    cp_method=ctx.cp_method, ep=ep, zero=zero, micro_batch=micro_batch, schedule=schedule, virtual_stages=virtual,
+                    cp_method=ctx.cp_method, ep=ep, zero=zero, micro_batch=micro_batch, schedule=schedule,
+                    virtual_stages=virtual,
                     layers_per_stage=tuple(layers_per_stage), recompute=recompute,
                     sequence_parallel=sequence_parallel, placement=option.devices if option is not None else (),
                     num_micro_batches=ctx.train.global_batch // (dp * micro_batch), replica_micro_batches=replicas)
@@ -338,7 +339,8 @@ def _layout(ctx: _Context, signature: tuple, layers_per_stage: tuple[int, ...], 
 
 def _plan(ctx: _Context, found: _Found, **changes: object) -> Plan:
     dp, tp, pp, cp, ep, micro_batch, schedule, virtual = found.signature
-    fields = dict(dp=dp, tp=tp, pp=pp, cp=cp, cp_method=found.cp_method, ep=ep, zero=found.zero, micro_batch=micro_batch, schedule=schedule,
+    fields = dict(dp=dp, tp=tp, pp=pp, cp=cp, cp_method=found.cp_method, ep=ep, zero=found.zero,
+                  micro_batch=micro_batch, schedule=schedule,
                   virtual_stages=virtual, layers_per_stage=found.layers_per_stage, recompute=found.recompute,
                   sequence_parallel=found.sequence_parallel,
                   placement=found.option.devices if found.option is not None else (),
