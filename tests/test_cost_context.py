@@ -133,3 +133,12 @@ def test_long_context_trend_follows_torchtitan_tables_2_and_6():
             assert 0.9 < p / m < 1.45, (table, p, m)
         # Trend: 32K -> 256K throughput falls 5-7x measured; predicted within a third of that.
         assert predicted[-1] / predicted[0] == pytest.approx(measured[-1] / measured[0], rel=0.35)
+
+
+def test_a_stack_without_ulysses_says_so():
+    from fivefold.cost import STACKS
+
+    plan = Plan(model=LLAMA8B, cluster=parse_cluster("1x8xH100-SXM"), train=TrainSpec(seq_len=8192, global_batch=8),
+                dp=4, cp=2, cp_method="ulysses", zero=3)
+    assert "CP method ulysses" in estimate(plan, STACKS["torchtitan"]).notes[0]  # TorchTitan: all-gather only
+    assert not any("cannot run" in n for n in estimate(plan, STACKS["modern"]).notes)

@@ -266,7 +266,7 @@ def unsupported_features(stack: SoftwareStack, plan: object) -> list[str]:
     if plan.recompute not in features.recompute:  # type: ignore[attr-defined]
         out.append(f"recompute {plan.recompute}")  # type: ignore[attr-defined]
     method = getattr(plan, "cp_method", None)
-    if getattr(plan, "cp", 1) > 1 and method and method not in features.cp_methods:
+    if getattr(plan, "cp", 1) > 1 and "cp" in features.parallelisms and method and method not in features.cp_methods:
         out.append(f"CP method {method}")
     if plan.train.dtype == "fp8" and not features.fp8:  # type: ignore[attr-defined]
         out.append("FP8")
