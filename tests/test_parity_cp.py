@@ -1,6 +1,6 @@
 """Context parallel computes the same training run: per-step loss and global gradient norm of 5 fp32 steps
 on CPU/gloo match the single-process run within 1e-5 relative, with and without --document-mask, for cp
-composed with dp, tp (+sp), pp (1f1b and zbv), ZeRO 3 and Ulysses; and a run checkpointed at step 3
+composed with dp, tp (+sp), pp (1f1b and zbv), ZeRO 1, 2 and 3 (FSDP over dp x cp) and Ulysses; and a run checkpointed at step 3
 resumes under another cp degree (cp2 -> cp1, cp1 -> cp2) within 1e-5 of the uninterrupted run.
 
 One launch per world size runs all its layouts one after another (as test_parity_plans.py does): starting
@@ -27,9 +27,9 @@ STEPS, SAVED_AT, RTOL = 5, 3, 1e-5
 LAYOUTS: dict[str, dict] = {
     "cp2xdp2": dict(dp=2, cp=2, micro_batch=2),
     "cp4": dict(cp=4, micro_batch=4, recompute="full"),
-    "cp2xtp2-sp": dict(cp=2, tp=2, sequence_parallel=True, micro_batch=4),
+    "cp2xtp2-sp-zero1": dict(cp=2, tp=2, sequence_parallel=True, zero=1, micro_batch=4),
     "cp2xpp2-1f1b": dict(cp=2, pp=2, schedule="1f1b", micro_batch=2),
-    "cp2xpp2-zbv": dict(cp=2, pp=2, schedule="zbv", virtual_stages=2, micro_batch=2),
+    "cp2xpp2-zbv-zero2": dict(cp=2, pp=2, schedule="zbv", virtual_stages=2, zero=2, micro_batch=2),
     "cp2xdp2-zero3": dict(dp=2, cp=2, zero=3, micro_batch=1, recompute="selective"),
     "cp2-ulysses-xdp2": dict(dp=2, cp=2, cp_method="ulysses", micro_batch=2),
 }

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from fivefold.cost.compute import dtype_bytes
+from fivefold.cost.context import context_parallel_kept_bytes
 from fivefold.cost.layout import Layout, layer_work, pacing_replica
 from fivefold.cost.pipeline import bubble_ratio
 from fivefold.cost.results import Score
@@ -110,8 +112,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
         return score
 
     ctx = _Context(model, cluster, train, choices, stack, headroom, cost, threshold)
-    ordered = _order_by_bound(ctx, [(d, method) for d in degrees
-                                    for method in cp_method_options(model, d[1], d[3], choices, stack)])
+    ordered = _order_by_bound(ctx, [(d, method) for d in degrees for method in _useful_cp_methods(ctx, d)])
     for done, ((dp, tp, pp, cp, ep), ctx.cp_method) in enumerate(ordered):
         if progress is not None and time.perf_counter() - last_report > 0.25:
             last_report = time.perf_counter()
@@ -385,6 +386,32 @@ def _alternatives(ctx: _Context, found: _Found) -> tuple[list[tuple[PlacementOpt
     layers = default_layers_per_stage(ctx.model.layers, pp * virtual)
     even = _plan(ctx, found, layers_per_stage=layers, replica_micro_batches=())
     return others, Candidate(even, estimate(even, ctx.stack, ctx.headroom))
+
+
+def _useful_cp_methods(ctx: _Context, degrees: tuple[int, int, int, int, int]) -> list[str]:
+    """The cp methods worth searching for these degrees. The methods differ only in the CP exchange and in
+    the gathered K/V all-gather keeps, so one dominates the other on the probe layer (no recompute, the
+    smallest micro-batch): Ulysses when it is faster, as its memory is never higher; all-gather when it is at
+    least as fast and the K/V it keeps are under 1% of the device; else both (memory may decide)."""
+    dp, tp, pp, cp, ep = degrees
+    methods = cp_method_options(ctx.model, tp, cp, ctx.choices, ctx.stack)
+    if len(methods) < 2:
+        return methods
+    micro_batches = micro_batch_options(ctx.train, dp, ctx.choices, pp, ctx.stack)
+    if not micro_batches:
+        return methods
+    seconds = {}
+    for ctx.cp_method in methods:
+        probe = _layout(ctx, (dp, tp, pp, cp, ep, micro_batches[0], "1f1b", 1), (1,) * pp, "none",
+                        sequence_parallel_option(tp, ctx.choices), 0)
+        layer = layer_work(probe, ctx.stack)[0]
+        seconds[ctx.cp_method] = layer.forward + layer.backward_input + layer.backward_weight
+    kept = context_parallel_kept_bytes(ctx.model, ctx.train.seq_len, micro_batches[0], cp, "allgather",
+                                       dtype_bytes(ctx.train.dtype)) / tp * -(-ctx.model.layers // pp)
+    memory = min(group.device.memory_bytes for group in ctx.cluster.groups)
+    if seconds["allgather"] <= seconds["ulysses"]:
+        return ["allgather"] if kept < 0.01 * memory else methods
+    return ["ulysses"]
 
 
 def _order_by_bound(ctx: _Context, degrees: list[tuple[tuple[int, int, int, int, int], str]]
