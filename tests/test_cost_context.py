@@ -74,7 +74,7 @@ def test_balanced_chunks_give_each_rank_one_cp_th_of_the_causal_work():
 
 def test_cp_divides_activation_memory_and_allgather_keeps_the_gathered_kv():
     def shape(cp: int, method: str = "allgather") -> LayerShape:
-        return LayerShape(LLAMA8B, 32768, 1, 1, cp, 1, False, "none", method)
+        return LayerShape(LLAMA8B, 32768, 1, 1, cp, 1, False, "none", cp_method=method)
 
     one = layer_activation_bytes(shape(1), False, "flash", 2)
     kept = context_parallel_kept_bytes(LLAMA8B, 32768, 1, 4, "allgather", 2)

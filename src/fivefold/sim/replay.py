@@ -181,6 +181,7 @@ class Replay:
         sends = [t.send_activation for t in stages]
         gathering = [t.param_gather > 0 for t in stages]
         reducing = [t.grad_reduce > 0 for t in stages]
+        exchanging = [t.cp_forward > 0 or t.cp_backward > 0 for t in stages]  # context parallel
         for rank in range(step.pp):
             offer(rank)
         done = 0
@@ -203,9 +204,8 @@ class Replay:
             cursor[rank] = index + 1
             done += 1
             events.append(_new_tuple(Event, (row + rank, "compute", kind, start, end, stage, micro_batch, -1)))
-            exchange = times.cp_forward if kind == FORWARD else \
-                times.cp_backward if kind == BACKWARD or kind == BACKWARD_INPUT else 0.0
-            if exchange > 0:  # part of the pass's time; drawn at its start, one bar for all its layers
+            if exchanging[stage] and kind != BACKWARD_WEIGHT:  # inside the pass; drawn at its start, one bar
+                exchange = stages[stage].cp_forward if kind == FORWARD else stages[stage].cp_backward
                 events.append(Event(row + rank, "cp", CONTEXT_EXCHANGE, start, start + exchange, stage, micro_batch))
             if kind == FORWARD:
                 if stage < last_stage:
