@@ -44,6 +44,7 @@ class Layout(MeshRanks):
         tp: int
         pp: int
         cp: int
+        cp_method: str
         ep: int
         zero: int
         micro_batch: int

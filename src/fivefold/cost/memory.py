@@ -116,8 +116,8 @@ def layer_activation_bytes(shape: LayerShape, dropout: bool, attention: str, ele
         sharded += shape.micro_batch * m.heads * (shape.seq_len // shape.cp) * shape.seq_len * (e + mask * (1 + e))
     elif attention == "flash":
         sharded += tokens * m.heads * 4  # fp32 log-sum-exp per query row
-    sharded += context_parallel_kept_bytes(m, shape.seq_len, shape.micro_batch, shape.cp, shape.cp_method, e)
-    return replicated * replicated_share + sharded / t
+    kept = context_parallel_kept_bytes(m, shape.seq_len, shape.micro_batch, shape.cp, shape.cp_method, e)
+    return replicated * replicated_share + (sharded + kept) / t
 
 
 def layer_transient_bytes(shape: LayerShape, dropout: bool, attention: str, element_bytes: int) -> float:

@@ -24,10 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from fivefold.cost.compute import dtype_bytes
-from fivefold.cost.context import context_parallel_kept_bytes
 from fivefold.cost.layout import Layout, layer_work, pacing_replica
-from fivefold.cost.pipeline import bubble_ratio
 from fivefold.cost.results import Score
 from fivefold.cost.stack import STACKS, SoftwareStack
 from fivefold.cost.step import estimate, score_layout
@@ -37,8 +34,8 @@ from fivefold.planner.explain import infeasible_message
 from fivefold.planner.mixed import (REPLICAS, STAGES, PlacementOption, fit_memory, is_mixed, placement_options,
                                     replica_shares, roomier, speed_balanced_layers, work_bound)
 from fivefold.planner.space import (Choices, balanced_layers, check_stack_choices, cp_method_options, degree_options,
-                                    micro_batch_options, recompute_options, schedule_options, sequence_parallel_option,
-                                    zero_options)
+                                    fixed_text, micro_batch_options, recompute_options, schedule_bound,
+                                    schedule_options, sequence_parallel_option, useful_cp_methods, zero_options)
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import Plan, default_layers_per_stage, stage_owners
@@ -90,7 +87,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
     check_stack_choices(stack, choices, train)
     degrees = degree_options(model, cluster, train, choices, stack)
     if not degrees:
-        raise SpecError("plan degrees", _fixed_text(choices) or "(none fixed)",
+        raise SpecError("plan degrees", fixed_text(choices) or "(none fixed)",
                         f"no dp x tp x pp x cp split of the {cluster.world_size} devices is valid: tp must divide "
                         f"heads={model.heads} and kv_heads={model.kv_heads}, cp must divide seq_len={train.seq_len}, "
                         f"dp must divide global_batch={train.global_batch}")
@@ -112,7 +109,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
         return score
 
     ctx = _Context(model, cluster, train, choices, stack, headroom, cost, threshold)
-    ordered = _order_by_bound(ctx, [(d, method) for d in degrees for method in _useful_cp_methods(ctx, d)])
+    ordered = _order_by_bound(ctx, degrees)
     for done, ((dp, tp, pp, cp, ep), ctx.cp_method) in enumerate(ordered):
         if progress is not None and time.perf_counter() - last_report > 0.25:
             last_report = time.perf_counter()
@@ -133,7 +130,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
                 continue
             none_can_fit = True
             for schedule, virtual in schedules:
-                if _schedule_bound(schedule, pp, virtual, micro_batches, sums) >= threshold():
+                if schedule_bound(schedule, pp, virtual, micro_batches, sums) >= threshold():
                     none_can_fit = False  # not known; a bound is no reason to stop growing the micro-batch
                     continue
                 signature = (dp, tp, pp, cp, ep, micro_batch, schedule, virtual)
@@ -172,17 +169,6 @@ def _family_bound(ctx: _Context, base: Layout, micro_batches: int) -> tuple[floa
     sums = [ctx.model.layers * getattr(layer, part) + getattr(embedding, part) + getattr(head, part)
             for part in ("forward", "backward_input", "backward_weight")]
     return micro_batches * ctx.model.layers / base.pp * per_layer, sums
-
-
-def _schedule_bound(schedule: str, pp: int, virtual: int, micro_batches: int, sums: list[float]) -> float:
-    """A lower bound on the pipeline time of any split: with total work S = sum_r w_r and a bubble that is
-    f x (S - max_r w_r) (cost/pipeline.py), time = (m - f) max_r w_r + f S >= S ((m - f) / p + f), since
-    max_r w_r >= S / p."""
-    total = sum(sums)
-    if pp == 1:
-        return micro_batches * total
-    factor = bubble_ratio(schedule, pp, 1, virtual, *sums) / bubble_ratio("1f1b", pp, 1)
-    return total * ((micro_batches - factor) / pp + factor)
 
 
 def _best_placement(ctx: _Context, signature: tuple, sequence_parallel: bool, recomputes: list[str],
@@ -388,49 +374,21 @@ def _alternatives(ctx: _Context, found: _Found) -> tuple[list[tuple[PlacementOpt
     return others, Candidate(even, estimate(even, ctx.stack, ctx.headroom))
 
 
-def _useful_cp_methods(ctx: _Context, degrees: tuple[int, int, int, int, int]) -> list[str]:
-    """The cp methods worth searching for these degrees. The methods differ only in the CP exchange and in
-    the gathered K/V all-gather keeps, so one dominates the other on the probe layer (no recompute, the
-    smallest micro-batch): Ulysses when it is faster, as its memory is never higher; all-gather when it is at
-    least as fast and the K/V it keeps are under 1% of the device; else both (memory may decide)."""
-    dp, tp, pp, cp, ep = degrees
-    methods = cp_method_options(ctx.model, tp, cp, ctx.choices, ctx.stack)
-    if len(methods) < 2:
-        return methods
-    micro_batches = micro_batch_options(ctx.train, dp, ctx.choices, pp, ctx.stack)
-    if not micro_batches:
-        return methods
-    seconds = {}
-    for ctx.cp_method in methods:
-        probe = _layout(ctx, (dp, tp, pp, cp, ep, micro_batches[0], "1f1b", 1), (1,) * pp, "none",
-                        sequence_parallel_option(tp, ctx.choices), 0)
-        layer = layer_work(probe, ctx.stack)[0]
-        seconds[ctx.cp_method] = layer.forward + layer.backward_input + layer.backward_weight
-    kept = context_parallel_kept_bytes(ctx.model, ctx.train.seq_len, micro_batches[0], cp, "allgather",
-                                       dtype_bytes(ctx.train.dtype)) / tp * -(-ctx.model.layers // pp)
-    memory = min(group.device.memory_bytes for group in ctx.cluster.groups)
-    if seconds["allgather"] <= seconds["ulysses"]:
-        return ["allgather"] if kept < 0.01 * memory else methods
-    return ["ulysses"]
-
-
-def _order_by_bound(ctx: _Context, degrees: list[tuple[tuple[int, int, int, int, int], str]]
+def _order_by_bound(ctx: _Context, degrees: list[tuple[int, int, int, int, int]]
                     ) -> list[tuple[tuple[int, int, int, int, int], str]]:
-    """(degrees, cp method) sorted by the lower bound of their smallest micro-batch (promising layouts first)."""
+    """(degrees, cp method) sorted by the lower bound of their smallest micro-batch (promising layouts first);
+    of the cp methods, those space.useful_cp_methods keeps."""
     keyed = []
-    for (dp, tp, pp, cp, ep), ctx.cp_method in degrees:
+    for dp, tp, pp, cp, ep in degrees:
         micro_batches = micro_batch_options(ctx.train, dp, ctx.choices, pp, ctx.stack)
         if not micro_batches:
             continue
-        micro_batch = micro_batches[0]
-        probe = _layout(ctx, (dp, tp, pp, cp, ep, micro_batch, "1f1b", 1), (1,) * pp, "none",
-                        sequence_parallel_option(tp, ctx.choices), 0)
-        bound, _ = _family_bound(ctx, probe, ctx.train.global_batch // (dp * micro_batch))
-        keyed.append((bound, (dp, tp, pp, cp, ep), ctx.cp_method))
+        micro_batch, bounds = micro_batches[0], {}
+        for ctx.cp_method in cp_method_options(ctx.model, tp, cp, ctx.choices, ctx.stack):
+            probe = _layout(ctx, (dp, tp, pp, cp, ep, micro_batch, "1f1b", 1), (1,) * pp, "none",
+                            sequence_parallel_option(tp, ctx.choices), 0)
+            bounds[ctx.cp_method] = _family_bound(ctx, probe, ctx.train.global_batch // (dp * micro_batch))[0]
+        for method in useful_cp_methods(ctx.model, ctx.cluster, ctx.train, (tp, pp, cp), micro_batch, bounds):
+            keyed.append((bounds[method], (dp, tp, pp, cp, ep), method))
     keyed.sort()
     return [(degrees, method) for _, degrees, method in keyed]
-
-
-def _fixed_text(choices: Choices) -> str:
-    return " ".join(f"--{name.replace('_', '-')} {value}" for name, value in vars(choices).items()
-                    if value is not None)

@@ -15,6 +15,9 @@ import functools
 import heapq
 from dataclasses import dataclass
 
+from fivefold.cost.compute import dtype_bytes
+from fivefold.cost.context import context_parallel_kept_bytes
+from fivefold.cost.pipeline import bubble_ratio
 from fivefold.cost.stack import STACKS, SoftwareStack
 from fivefold.errors import SpecError
 from fivefold.spec.checks import check_count
@@ -266,3 +269,36 @@ def cp_method_options(model: ModelSpec, tp: int, cp: int, choices: Choices, stac
     methods = [choices.cp_method] if choices.cp_method else list(stack.features.cp_methods)
     heads_split = (model.heads // tp) % cp == 0 and (model.kv_heads // tp) % cp == 0
     return [m for m in methods if m in stack.features.cp_methods and (m != "ulysses" or heads_split)]
+
+
+def useful_cp_methods(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, degrees: tuple[int, int, int],
+                      micro_batch: int, seconds: dict[str, float]) -> list[str]:
+    """The cp methods worth searching for (tp, pp, cp), given each method's time on a probe (`seconds`).
+    They differ only in the CP exchange and in the K/V all-gather keeps, so Ulysses dominates when faster
+    (its memory is never higher); all-gather when at least as fast and what it keeps is under 5% of the
+    device; else both (memory may decide)."""
+    tp, pp, cp = degrees
+    if len(seconds) < 2:
+        return list(seconds)
+    if seconds["allgather"] > seconds["ulysses"]:
+        return ["ulysses"]
+    kept = context_parallel_kept_bytes(model, train.seq_len, micro_batch, cp, "allgather",
+                                       dtype_bytes(train.dtype)) / tp * -(-model.layers // pp)
+    memory = min(group.device.memory_bytes for group in cluster.groups)
+    return ["allgather"] if kept < 0.05 * memory else list(seconds)
+
+
+def schedule_bound(schedule: str, pp: int, virtual: int, micro_batches: int, sums: list[float]) -> float:
+    """A lower bound on the pipeline time of any split: with total work S = sum_r w_r and a bubble that is
+    f x (S - max_r w_r) (cost/pipeline.py), time = (m - f) max_r w_r + f S >= S ((m - f) / p + f), since
+    max_r w_r >= S / p."""
+    total = sum(sums)
+    if pp == 1:
+        return micro_batches * total
+    factor = bubble_ratio(schedule, pp, 1, virtual, *sums) / bubble_ratio("1f1b", pp, 1)
+    return total * ((micro_batches - factor) / pp + factor)
+
+
+def fixed_text(choices: Choices) -> str:
+    return " ".join(f"--{name.replace('_', '-')} {value}" for name, value in vars(choices).items()
+                    if value is not None)
