@@ -43,10 +43,14 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, use_cuda: bool, compu
     from fivefold.interrupt import quiet_sigint_in_worker
 
     quiet_sigint_in_worker()  # Ctrl-C reaches the whole process group: end without a traceback
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from fivefold.runtime.mesh import init_distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(ranks))
     torch.set_num_threads(threads)
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=ranks)
+    if use_cuda:
+        torch.cuda.set_device(device)
+    init_distributed(device)  # the runtime's one process-group start (env://), as a training rank starts it
 
     def emit(kind: str, item: object) -> None:
         if rank == 0:
