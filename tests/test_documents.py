@@ -133,3 +133,10 @@ def test_bad_context_parallel_flags_are_one_line(capsys, flags, words):
     assert main(["train", "--cluster", "1x4xcpu", "--steps", "1", "--device", "cpu", *flags]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], lines
+
+
+def test_dryrun_builds_a_context_parallel_plan_with_the_training_cut(capsys):
+    """`fivefold dryrun` feeds the runtime the same cp columns, positions and document ids as training."""
+    assert main(["dryrun", "--model", "tiny", "--cluster", "1x2xcpu", "--cp", "2", "--cp-method", "ulysses",
+                 "--seq-len", "32", "--document-mask"]) == 0
+    assert "dp1 tp1 pp1 cp2-ulysses" in capsys.readouterr().out

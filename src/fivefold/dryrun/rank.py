@@ -133,6 +133,7 @@ def build_and_step(plan: Plan, mesh, param_dtype: torch.dtype | None, seed: int,
                    fake: bool) -> Accounted:
     """Build this rank's models on `mesh` and account one step; `fake=False` is the same on real tensors in
     a real process group (dryrun/real.py), where the clip reads its norm."""
+    from fivefold.runtime.context_parallel import shard_batch, split_micro_batches
     from fivefold.runtime.optim import build_optimizer, clip_grad_norm_
     from fivefold.runtime.parallelize import set_gradient_sync
     from fivefold.runtime.pipeline import build_schedule, run_schedule
@@ -149,9 +150,11 @@ def build_and_step(plan: Plan, mesh, param_dtype: torch.dtype | None, seed: int,
         optimizer.zero_grad(set_to_none=True)
 
         micro_batches = plan.micro_batches_of_replica(mesh.coords["dp"])
-        rows, seq = micro_batches * plan.micro_batch, plan.train.seq_len // plan.cp
-        inputs = torch.randint(0, plan.model.vocab, (rows, seq), device=device)
-        targets = torch.randint(0, plan.model.vocab, (rows, seq), device=device)
+        rows = micro_batches * plan.micro_batch
+        tokens = torch.randint(1, plan.model.vocab, (rows, plan.train.seq_len + 1), device=device)
+        # This cp rank's columns and the model's positions / document ids, exactly as training cuts them.
+        inputs, targets, extra = shard_batch(plan, mesh.coords["cp"], tokens[:, :-1], tokens[:, 1:], 0)
+        mb_extras = split_micro_batches(extra, plan.micro_batch) or [{}] * micro_batches
         loss_fn = TokenCrossEntropy(plan.train.global_batch * plan.train.seq_len)
         autocast = (torch.autocast(device.type, dtype=param_dtype) if param_dtype is not None and plan.dp == 1
                     else contextlib.nullcontext())
@@ -167,13 +170,13 @@ def build_and_step(plan: Plan, mesh, param_dtype: torch.dtype | None, seed: int,
         with _per_micro_batch_stats(tracker, list(parts.values())), tracker:
             with autocast:
                 if schedule is not None:
-                    run_schedule(schedule, plan, list(parts), inputs, targets)
+                    run_schedule(schedule, plan, list(parts), inputs, targets, extra)
                 else:
                     model = parts[0]
                     for index, (mb_in, mb_out) in enumerate(zip(inputs.split(plan.micro_batch),
                                                                 targets.split(plan.micro_batch))):
                         set_gradient_sync(model, plan.zero, last_micro_batch=index == micro_batches - 1)
-                        loss_fn(model(mb_in), mb_out).backward()
+                        loss_fn(model(mb_in, **mb_extras[index]), mb_out).backward()
             if fake:
                 value_free(lambda: clip_grad_norm_(params, 1.0, plan))
             else:
