@@ -14,13 +14,24 @@ from fivefold.cli import main
 @pytest.mark.parametrize("argv, message", [
     (["--cluster", "1x4xcpu", "--ep", "3"], "error: plan.ep=3: must divide dp*cp="),
     (["--cluster", "1x4xcpu", "--ep", "8"], "error: plan.ep=8: must divide dp*cp="),
-    (["--cluster", "1x4xcpu", "--dp", "2", "--tp", "2", "--model", "preset=tiny-moe,qk_norm=true"],
-     "error: model.qk_norm=True: per-head q/k norms are not split by tensor parallelism here"),
 ])
 def test_bad_moe_layouts_stop_with_one_line(capsys, argv, message):
     assert main(["train", "--device", "cpu", "--model", "tiny-moe", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(message) and "\n" not in err
+
+
+def test_uneven_replicas_and_cp_aux_loss_are_refused():
+    from fivefold.errors import SpecError
+    from fivefold.runtime.expert_parallel import check_moe_runnable
+    from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
+
+    uneven = Plan(model=PRESETS["tiny-moe"], cluster=parse_cluster("1x2xcpu"), train=TrainSpec(seq_len=32, global_batch=8),
+                  dp=2, ep=2, micro_batch=1, replica_micro_batches=(3, 5))
+    with pytest.raises(SpecError, match="uneven replicas cannot share experts"):
+        check_moe_runnable(uneven)
+    with pytest.raises(SpecError, match="model.aux_loss_coef=0.01: the per-sequence auxiliary loss"):
+        check_moe_runnable(uneven.replace(cp=2, dp=1, replica_micro_batches=(), micro_batch=1))
 
 
 @pytest.mark.slow

@@ -15,10 +15,13 @@ import pytest
 
 from fivefold.checkpoint import step_dir
 from fivefold.runtime import RunConfig, launch
-from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
+from fivefold.spec import PRESETS, ModelSpec, Plan, TrainSpec, parse_cluster
 
 STEPS, SAVED_AT, RTOL = 5, 3, 1e-5
 MODEL = PRESETS["tiny-moe"]
+# Qwen3-style attention: heads wider than hidden/heads and per-head q/k norms, under tp.
+QK_MODEL = ModelSpec(name="tiny-moe-qk", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=32, qk_norm=True,
+                     vocab=256, max_seq_len=256, experts=4, top_k=2, expert_ffn_hidden=64, aux_loss_coef=0.01)
 
 # name -> plan fields (world 4 unless the name says otherwise)
 PLANS: dict[str, dict] = {
@@ -40,8 +43,8 @@ RESUMES = {"ep2 -> ep1": ("dp4-ep2", 1, {}), "ep1 -> ep4": ("dp4-ep1", 4, dict(d
 TRAIN = TrainSpec(seq_len=32, global_batch=8, dtype="fp32")
 
 
-def make_plan(world: int, **fields) -> Plan:
-    return Plan(model=MODEL, cluster=parse_cluster(f"1x{world}xcpu"), train=TRAIN, **fields)
+def make_plan(world: int, model: ModelSpec = MODEL, **fields) -> Plan:
+    return Plan(model=model, cluster=parse_cluster(f"1x{world}xcpu"), train=TRAIN, **fields)
 
 
 def hf_mixtral(folder: Path):
@@ -78,8 +81,10 @@ def folder(tmp_path_factory) -> Path:
     hf_spec = hf_mixtral(folder / "hf")
     world4.append(config(folder, "hf:dp4-ep2", Plan(model=hf_spec, cluster=parse_cluster("1x4xcpu"), train=TRAIN,
                                                      dp=4, ep=2, micro_batch=2), init_from_hf=str(folder / "hf")))
+    world4.append(config(folder, "qk:dp2xtp2-ep2-sp", make_plan(4, QK_MODEL, dp=2, tp=2, ep=2, sequence_parallel=True,
+                                                                micro_batch=2)))
     launch(world4, 4)
-    world1 = [config(folder, "reference", make_plan(1))]
+    world1 = [config(folder, "reference", make_plan(1)), config(folder, "qk:reference", make_plan(1, QK_MODEL))]
     world1 += [config(folder, name, make_plan(world, **fields), resume_from=str(step_dir(folder / source, SAVED_AT)))
                for name, (source, world, fields) in RESUMES.items() if world == 1]
     launch(world1, 1)
@@ -96,6 +101,11 @@ def assert_same_run(expected: list[dict], got: list[dict], name: str) -> None:
 @pytest.mark.parametrize("name", list(PLANS))
 def test_expert_parallel_matches_single_process(folder, name):
     assert_same_run(records(folder, "reference"), records(folder, name), name)
+
+
+@pytest.mark.slow
+def test_head_dim_and_qk_norm_under_tp_and_ep(folder):
+    assert_same_run(records(folder, "qk:reference"), records(folder, "qk:dp2xtp2-ep2-sp"), "qk")
 
 
 @pytest.mark.slow

@@ -88,9 +88,6 @@ def check_moe_runnable(plan: Plan) -> None:
     if plan.cp > 1:
         require(plan.model.aux_loss_coef == 0, "model.aux_loss_coef", plan.model.aux_loss_coef,
                 "the per-sequence auxiliary loss is not summed over a sequence split by cp yet; use cp=1 or 0")
-    if plan.tp > 1:
-        require(not plan.model.qk_norm, "model.qk_norm", True,
-                "per-head q/k norms are not split by tensor parallelism here; use tp=1 (or ep/dp instead)")
 
 
 def expert_mesh(plan: Plan, device: torch.device) -> DeviceMesh:

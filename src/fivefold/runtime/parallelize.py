@@ -75,6 +75,11 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
             del block_plan["feed_forward.w1"], block_plan["feed_forward.w2"]
         elif block.feed_forward.w3 is not None:
             block_plan["feed_forward.w3"] = ColwiseParallel()
+        if block.attention.q_norm is not None:
+            # Per-head q/k norms (Qwen3) see this rank's heads: replicated weights over input split on the
+            # head dim, so their gradients are summed over tp (Partial, as a sequence-parallel norm's).
+            block_plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            block_plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if sequence_parallel:
             block_plan.update({
                 "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
