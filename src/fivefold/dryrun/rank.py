@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fivefold.dryrun.world import (fake_world, meshes_outside_fake, static_pipeline, swappable_fake_parameters,
                                    value_free)
 from fivefold.spec import Plan
+
+if TYPE_CHECKING:
+    from torch.distributed._tools.mem_tracker import MemTracker
 
 GIB = 2**30
 
@@ -64,20 +68,21 @@ def stage_metas(plan: Plan, activation_dtype: torch.dtype, device: torch.device)
             for s in range(plan.num_stages)}
 
 
-def _tracker(parts: dict[int, nn.Module], optimizer: torch.optim.Optimizer, inputs: tuple[torch.Tensor, ...]):
+def _tracker(parts: dict[int, nn.Module], optimizer: torch.optim.Optimizer,
+             inputs: tuple[torch.Tensor, ...]) -> "MemTracker":
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
     models = list(parts.values())
     if all(isinstance(m, FSDPModule) for m in models):
-        tracker = FSDPMemTracker(models[0], optimizer)
+        fsdp_tracker = FSDPMemTracker(models[0], optimizer)
         if len(models) > 1:  # several virtual stages: instrument every root (the tracker walks _root_mod)
-            tracker._root_mod = nn.ModuleList(models)
-        tracker.track_inputs(inputs)
-    else:
-        tracker = MemTracker()
-        tracker.track_external(*models, optimizer, *inputs)
+            setattr(fsdp_tracker, "_root_mod", nn.ModuleList(models))
+        fsdp_tracker.track_inputs(inputs)
+        return fsdp_tracker
+    tracker = MemTracker()
+    tracker.track_external(*models, optimizer, *inputs)
     return tracker
 
 

@@ -115,7 +115,11 @@ def meshes_outside_fake() -> Iterator[None]:
         return call
 
     for owner, name, method in originals:
-        setattr(owner, name, property(outside(method.fget)) if isinstance(method, property) else outside(method))
+        if isinstance(method, property):
+            assert method.fget is not None
+            setattr(owner, name, property(outside(method.fget)))
+        else:
+            setattr(owner, name, outside(method))
     try:
         yield
     finally:
