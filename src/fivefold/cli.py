@@ -46,7 +46,7 @@ def console():
 def cmd_plan(args: argparse.Namespace) -> int:
     from fivefold.cost import stack_named
     from fivefold.planner import Choices, search
-    from fivefold.planner.render import plan_json, plan_renderables
+    from fivefold.planner.render import plan_json, plan_renderables, plan_title
     from fivefold.planner.rerank import rerank_by_simulation
 
     model, cluster, train = specs_from_args(args)
@@ -71,16 +71,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
         dryruns = {id(plan): verdict for plan, verdict in zip(top, check_top(top, log=log))}
     if args.json:
-        report = plan_json(result, model.name, cluster.label, args.out)
-        for entry, candidate in zip(report["candidates"], result.candidates):
-            if id(candidate.plan) in dryruns:
-                entry["dryrun"] = dryruns[id(candidate.plan)]
-        print_json(report)
+        print_json(plan_json(result, model.name, cluster.label, args.out, dryruns))
         return 0
     out = console()
-    title = (f"{model.name} on {cluster.label} ({cluster.world_size} GPUs), seq {train.seq_len}, "
-             f"global batch {train.global_batch}, {train.dtype}: best {len(result.candidates)} plans that fit")
-    for renderable in plan_renderables(result, title):
+    for renderable in plan_renderables(result, plan_title(model, cluster, train, len(result.candidates))):
         out.print(renderable)
     if args.out:
         out.print(f"wrote the best plan to {args.out}")
@@ -95,12 +89,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result.to_dict())
         return 0
-    from fivefold.planner.render import estimate_renderables
+    from fivefold.planner.render import estimate_renderables, estimate_title
 
     out = console()
-    title = (f"{plan.model.name} on {plan.cluster.label}, seq {plan.train.seq_len}, global batch "
-             f"{plan.train.global_batch}, {plan.train.dtype}: {plan.describe()}")
-    for renderable in estimate_renderables(result, title):
+    for renderable in estimate_renderables(result, estimate_title(plan)):
         out.print(renderable)
     return 0
 

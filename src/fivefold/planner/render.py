@@ -9,6 +9,7 @@ from fivefold.spec.units import GIB
 if TYPE_CHECKING:
     from fivefold.cost.results import Estimate
     from fivefold.planner.candidates import SearchResult
+    from fivefold.spec import ClusterSpec, ModelSpec, Plan, TrainSpec
 
 BREAKDOWN_LABELS = {
     "compute": "compute (GEMMs, attention, element-wise)", "recompute": "activation recompute",
@@ -122,14 +123,28 @@ def plan_renderables(result: SearchResult, title: str) -> list:
     return out
 
 
-def plan_json(result: SearchResult, model: str, cluster: str, out: str | None) -> dict:
+def plan_title(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, count: int) -> str:
+    return (f"{model.name} on {cluster.label} ({cluster.world_size} GPUs), seq {train.seq_len}, "
+            f"global batch {train.global_batch}, {train.dtype}: best {count} plans that fit")
+
+
+def estimate_title(plan: Plan) -> str:
+    return (f"{plan.model.name} on {plan.cluster.label}, seq {plan.train.seq_len}, global batch "
+            f"{plan.train.global_batch}, {plan.train.dtype}: {plan.describe()}")
+
+
+def plan_json(result: SearchResult, model: str, cluster: str, out: str | None,
+              dryruns: dict[int, dict] | None = None) -> dict:
     """`plan --json`: the ranked candidates (estimate without per-stage rows, simulated time when
-    re-ranked, layout), why #1, the placement and the search's own numbers."""
+    re-ranked, the dry run's verdict by id(plan) when checked, layout), why #1, the placement and the
+    search's own numbers."""
     ranked = []
     for rank, candidate in enumerate(result.candidates, 1):
         entry = {k: v for k, v in candidate.estimate.to_dict().items() if k != "stages"}
         if candidate.simulated_step_time_s is not None:
             entry["simulated_step_time_s"] = candidate.simulated_step_time_s
+        if dryruns and id(candidate.plan) in dryruns:
+            entry["dryrun"] = dryruns[id(candidate.plan)]
         ranked.append({"rank": rank, **entry, "layout": candidate.plan.to_dict()["plan"]})
     return {"model": model, "cluster": cluster, "candidates": ranked, "explanation": result.explanation,
             "placement": result.placement, "examined": result.examined, "costed": result.costed,
