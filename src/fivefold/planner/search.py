@@ -20,6 +20,7 @@ speed. Every costed candidate uses cost.score_layout, the same code as `fivefold
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -92,7 +93,10 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
                         f"heads={model.heads} and kv_heads={model.kv_heads}, cp must divide seq_len={train.seq_len}, "
                         f"dp must divide global_batch={train.global_batch}")
     keep = max(top, 2)
-    best: list[tuple[float, int, _Found]] = []  # max-heap by time (negated) of the `keep` fastest signatures
+    # max-heap by time (negated) of the `keep` fastest signatures; among equal times the one found first wins,
+    # so the ranking does not depend on object addresses
+    best: list[tuple[float, int, _Found]] = []
+    found_order = itertools.count()
     examined = costed = 0
     smallest: tuple[float, Score, Layout] | None = None  # the plan closest to fitting
     last_report = started
@@ -137,14 +141,14 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
                 found, can_fit = _best_placement(ctx, signature, sequence_parallel, recomputes, zeros, options)
                 none_can_fit = none_can_fit and not can_fit
                 if found is not None:
-                    heapq.heappush(best, (-found.key, id(found), found))
+                    heapq.heappush(best, (-found.key, -next(found_order), found))
                     if len(best) > keep:
                         heapq.heappop(best)
             if none_can_fit:
                 break  # even the leanest variants do not fit; larger micro-batches need more memory
     if not best:
         raise NoFeasiblePlan(infeasible_message(smallest, headroom, choices))
-    ranked = sorted((entry[2] for entry in best), key=lambda f: f.key)
+    ranked = [entry[2] for entry in sorted(best, key=lambda entry: (entry[2].key, -entry[1]))]
     candidates = [Candidate(plan, estimate(plan, stack, headroom)) for plan in
                   (_plan(ctx, found) for found in ranked)]
     from fivefold.planner.explain import explain_difference, explain_placement
