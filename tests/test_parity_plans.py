@@ -28,6 +28,7 @@ PLANS: dict[str, tuple[int, str, dict]] = {
     "dp2-zero1": (2, "tiny", dict(dp=2, zero=1, micro_batch=1)),
     "dp2-zero2": (2, "tiny", dict(dp=2, zero=2, micro_batch=2)),
     "dp2-fsdp": (2, "tiny", dict(dp=2, zero=3, micro_batch=2, recompute="selective")),
+    "dp2-fsdp-one-micro-batch": (2, "tiny", dict(dp=2, zero=3, micro_batch=4)),  # all reduce-scatters async
     "dp2-fsdp-tied": (2, "tiny-tied", dict(dp=2, zero=3, micro_batch=2)),
     "dp2-uneven-replicas": (2, "tiny", dict(dp=2, micro_batch=1, replica_micro_batches=(3, 5))),
     "tp2-sp": (2, "tiny", dict(tp=2, sequence_parallel=True, micro_batch=4)),

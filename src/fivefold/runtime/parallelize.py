@@ -19,19 +19,33 @@ zero 1 and 2 behave alike there (both accumulate full gradients).
 
 Gradients are reduced with a plain SUM (divide factor 1): the loss is already divided by the number of
 target tokens in the global batch, so summed gradients equal the single-process ones.
+
+Overlap on CPU (gloo). FSDP2 overlaps its collectives through CUDA streams; on CPU those are no-ops and each
+wrapped module's reduction blocks the backward. So on gloo:
+- zero 0 without tp/pp runs under DistributedDataParallel (what a user's torchrun script would use): its
+  bucketed all-reduce runs in gloo's worker threads while autograd computes the earlier layers;
+- zero 1-3 give FSDP2 a reduce-scatter that returns before the data has arrived (AsyncReduceScatter); the
+  loop waits for all of them before the gradients are read (finish_gradient_sync, before the clipping). A
+  reduction that FSDP2 adds into an existing gradient (zero 2/3, micro-batches after the first) reads its
+  output at once, so those stay synchronous;
+- zero 0 with tp or pp keeps `replicate` (synchronous per block; under pp the PipelineStage reduces each
+  stage once, at the end of its last backward).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from fivefold.models import MoE, Transformer
@@ -139,10 +153,55 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
 
 # --- data parallel / ZeRO --------------------------------------------------------------------------
 
+class AsyncReduceScatter(DefaultReduceScatter):
+    """FSDP2's reduce-scatter, issued asynchronously (module docstring). Keeps each pending collective's
+    buffers alive until `wait`; `async_op` is switched off for reductions FSDP2 accumulates at once."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[dist.Work, torch.Tensor, torch.Tensor]] = []
+        self.async_op = True
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False) -> dist.Work | None:
+        if not self.async_op:
+            self.wait()  # FIFO per process group anyway; keeps `pending` short
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+        work = super().__call__(output_tensor, input_tensor, group, op, async_op=True)
+        self.pending.append((work, output_tensor, input_tensor))
+        return None
+
+    def wait(self) -> None:
+        for work, _, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
+def uses_ddp(plan, device: torch.device) -> bool:
+    """zero 0 over plain dp on CPU runs under DistributedDataParallel (module docstring)."""
+    return device.type == "cpu" and plan.dp > 1 and plan.zero == 0 and plan.tp == plan.pp == plan.cp == 1 and \
+        not plan.model.is_moe  # expert weights reduce over their own group (runtime/moe.py)
+
+
+def _sum_gradients(group, bucket):  # no annotations: DDP checks them, and this module's are strings
+    """DDP comm hook: a plain SUM all-reduce of the bucket (DDP's default divides by the world size)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda future: future.value()[0])
+
+
+def wrap_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """The module the loop calls: `model` under DDP (after its weights are initialised: DDP broadcasts them
+    from rank 0 when it is built). `model` itself keeps the parameters, names and hooks."""
+    group = dp_mesh.get_group()
+    ddp = DistributedDataParallel(model, process_group=group, forward_sync_buffers=False)  # buffers are seeded alike
+    ddp.register_comm_hook(group, _sum_gradients)
+    return ddp
+
+
 def apply_data_parallel(model: Transformer, dp_mesh: DeviceMesh, zero: int,
-                        param_dtype: torch.dtype | None) -> None:
+                        param_dtype: torch.dtype | None, overlap_on_cpu: bool = False) -> None:
     """Wrap each block, then the whole (stage) model, so each block's weights are one collective.
-    `param_dtype` (bf16 on GPU) computes in that dtype and reduces gradients in fp32."""
+    `param_dtype` (bf16 on GPU) computes in that dtype and reduces gradients in fp32. `overlap_on_cpu`
+    (gloo): zero 1-3 reduce-scatter asynchronously (module docstring); zero 0 is then DDP's (wrap_ddp)."""
     mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
         MixedPrecisionPolicy()
     if zero == 0:
@@ -154,17 +213,30 @@ def apply_data_parallel(model: Transformer, dp_mesh: DeviceMesh, zero: int,
         for block in model.layers.values():
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mixed)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mixed)
+    comm = AsyncReduceScatter() if overlap_on_cpu and zero > 0 else None
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             # Plain SUM collectives (gloo has no PREMUL_SUM; NCCL needs SUM for zero-copy transfers).
             module.set_force_sum_reduction_for_comms(True)
+            if comm is not None:
+                module.set_custom_reduce_scatter(comm)
+    if comm is not None:
+        model.async_reduce_scatter = comm  # type: ignore[assignment]  # found by finish_gradient_sync
 
 
-def set_gradient_sync(model: nn.Module, zero: int, last_micro_batch: bool) -> None:
+def set_gradient_sync(model: nn.Module, zero: int, micro_batch: int, micro_batches: int) -> None:
     """Gradient accumulation without pipeline parallelism: which micro-batches reduce gradients."""
+    last_micro_batch = micro_batch == micro_batches - 1
+    if isinstance(model, DistributedDataParallel):
+        model.require_backward_grad_sync = last_micro_batch  # what DDP.no_sync() switches
+        return
     if not isinstance(model, FSDPModule):
         return
+    comm = getattr(model, "async_reduce_scatter", None)
+    if comm is not None:
+        # zero 2/3 add each micro-batch's reduced gradient into the previous one as soon as it is issued.
+        comm.async_op = zero == 1 or micro_batch == 0
     if zero in (0, 1):
         # Accumulate full gradients locally; one reduction at the last micro-batch.
         model.set_requires_gradient_sync(last_micro_batch)
@@ -172,3 +244,11 @@ def set_gradient_sync(model: nn.Module, zero: int, last_micro_batch: bool) -> No
         # Keep the gathered parameters for the next micro-batch instead of gathering again.
         model.set_reshard_after_backward(last_micro_batch)
 
+
+def finish_gradient_sync(parts: dict[int, nn.Module] | list[nn.Module]) -> None:
+    """Wait for the asynchronous gradient reductions of this step (before anything reads a gradient)."""
+    for part in (parts.values() if isinstance(parts, dict) else parts):
+        comm = getattr(part, "async_reduce_scatter", None)
+        if comm is not None:
+            comm.wait()
+            comm.async_op = True

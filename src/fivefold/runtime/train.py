@@ -42,7 +42,8 @@ from fivefold.runtime.mesh import Mesh, build_mesh, init_distributed, pick_devic
 from fivefold.runtime.metrics import MetricsFile, Progress, StepMeter, summarize
 from fivefold.runtime.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from fivefold.runtime.parallelize import (apply_activation_checkpointing, apply_data_parallel,
-                                          apply_tensor_parallel, set_gradient_sync)
+                                          apply_tensor_parallel, finish_gradient_sync, set_gradient_sync,
+                                          uses_ddp, wrap_ddp)
 from fivefold.runtime.pipeline import build_schedule, build_stage_model, run_schedule
 from fivefold.runtime.trace import BACKWARD, FORWARD, OPTIMIZER, StepTracer
 from fivefold.spec import Plan
@@ -82,8 +83,8 @@ def build_model_parts(plan: Plan, mesh: Mesh, seed: int, param_dtype: torch.dtyp
         apply_activation_checkpointing(model, plan.recompute)
         if plan.model.is_moe:
             prepare_moe(model, plan, moe_mesh, param_dtype)  # experts over ep, before dp wraps the blocks
-        if dp_mesh is not None:  # gradients summed over dp x cp
-            apply_data_parallel(model, dp_mesh, plan.zero, param_dtype)
+        if dp_mesh is not None and not uses_ddp(plan, mesh.device):  # gradients summed over dp x cp
+            apply_data_parallel(model, dp_mesh, plan.zero, param_dtype, overlap_on_cpu=mesh.device.type == "cpu")
         model.to_empty(device=mesh.device)
         init_weights(model, seed)
         model.train()
@@ -136,6 +137,7 @@ class StepModel:
     schedule: Any  # the pipeline schedule (pp > 1), else None
     tracer: StepTracer
     autocast: Any  # bf16 autocast without FSDP's mixed precision, else a null context
+    ddp: nn.Module | None = None  # parts[0] under DistributedDataParallel (parallelize.uses_ddp), else None
 
 
 def forward_backward(model: StepModel, inputs: torch.Tensor, targets: torch.Tensor,
@@ -148,18 +150,20 @@ def forward_backward(model: StepModel, inputs: torch.Tensor, targets: torch.Tens
     with model.autocast:
         if model.schedule is not None:
             local_loss = run_schedule(model.schedule, plan, list(model.parts), inputs, targets, extra)
+            finish_gradient_sync(model.parts)
             return local_loss if local_loss is not None else torch.zeros((), device=model.device)
         local_loss = torch.zeros((), device=model.device)
-        whole = model.parts[0]
+        whole = model.ddp or model.parts[0]
         mb_extras = split_micro_batches(extra or {}, plan.micro_batch)
         for index, (mb_inputs, mb_targets) in enumerate(zip(inputs.split(plan.micro_batch),
                                                             targets.split(plan.micro_batch))):
-            set_gradient_sync(whole, plan.zero, last_micro_batch=index == model.micro_batches - 1)
+            set_gradient_sync(whole, plan.zero, index, model.micro_batches)
             with model.tracer.span(FORWARD, 0, index):
                 loss = model.loss_fn(whole(mb_inputs, **(mb_extras[index] if mb_extras else {})), mb_targets)
             with model.tracer.span(BACKWARD, 0, index):
                 loss.backward()
             local_loss += loss.detach()
+    finish_gradient_sync(model.parts)  # the asynchronous reductions, before anything reads a gradient
     return local_loss
 
 
@@ -197,7 +201,8 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
     tracer = StepTracer.for_run(config, plan, mesh.rank, device, schedule)
     autocast = (torch.autocast(device.type, dtype=param_dtype) if param_dtype is not None and plan.dp == 1
                 else contextlib.nullcontext())
-    step_model = StepModel(plan, device, parts, loss_fn, micro_batches, schedule, tracer, autocast)
+    step_model = StepModel(plan, device, parts, loss_fn, micro_batches, schedule, tracer, autocast,
+                           wrap_ddp(parts[0], mesh["dp"]) if uses_ddp(plan, device) else None)
     rows = replica_rows(plan, dp_rank)
     end_of_document = end_of_document_of(config, loader) if plan.train.document_mask else None
 
