@@ -35,7 +35,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         result = subprocess.run(
             [sys.executable, "-m", "fivefold", "train", "--cluster", "1x2xcpu", *layout, "--micro-batch", "2",
              "--seq-len", "32", "--steps", "4", "--device", "cpu", "--metrics-file", str(folder / "metrics.jsonl"),
-             "--trace"], capture_output=True, text=True, timeout=300)
+             "--trace", "--metrics-every", "1"], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         folders[name] = folder
     return folders

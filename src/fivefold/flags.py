@@ -173,3 +173,7 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--collective-timeout", type=float, default=600.0, help="seconds a collective waits for a "
                    "peer before the step fails with an error (default: 600)")
     p.add_argument("--trace", action="store_true", help="record a per-rank timeline for `fivefold report`")
+    p.add_argument("--metrics-every", type=int, default=10, help="gather per-rank memory and times every N steps "
+                   "(and on the first, last, bad and straggler-suspect steps; default: 10)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (CPU: inductor "
+                   "needs a C compiler; the first steps pay the compile time)")

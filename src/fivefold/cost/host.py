@@ -5,10 +5,13 @@ collectives."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fivefold.cost.comm import Topology, all_reduce_time
 from fivefold.cost.layer import PassCost
 from fivefold.cost.layout import Layout, LayerCosts, RankEnv
-from fivefold.cost.stack import SoftwareStack, TensorParallelCollectives, eager_ops, tensor_parallel_collectives
+from fivefold.cost.stack import (COMPILED_BLOCK_OPS, SoftwareStack, TensorParallelCollectives, eager_ops,
+                                 tensor_parallel_collectives)
 
 NO_TP_COLLECTIVES = TensorParallelCollectives(0, 0, 0, 0, 0, 0)
 
@@ -42,6 +45,9 @@ def with_host_costs(layout: Layout, env: RankEnv, stack: SoftwareStack, costs: L
     per_element = env.device.element_bytes / env.device.bandwidth
     traffic_f = ops.layer_forward_traffic * tokens * per_element
     traffic_b = ops.layer_backward_traffic * tokens * per_element
+    if stack.compiled_blocks:  # inductor fuses the element-wise ops: few kernels, no unfused traffic
+        ops = replace(ops, layer_forward=COMPILED_BLOCK_OPS[0], layer_backward=COMPILED_BLOCK_OPS[1])
+        traffic_f = traffic_b = 0.0
     traffic = PassCost(traffic_f, traffic_b, 0.0, traffic_f if recompute else 0.0, traffic_f if recompute else 0.0,
                        0.0, 0.0, 0.0, 0.0)
     return LayerCosts(layer + traffic + _host_pass(ops.layer_forward * op_f + hooks_f + tp.layer_forward * collective,
@@ -55,14 +61,12 @@ def with_host_costs(layout: Layout, env: RankEnv, stack: SoftwareStack, costs: L
             _host_pass(ops.stage_forward * op_f + hooks_f, hooks_b, False))
 
 
+METRICS_EVERY = 10  # the runtime's default --metrics-every (runtime/bookkeeping.py)
+
+
 def bookkeeping_time(layout: Layout, topology: Topology, env: RankEnv, pipeline_devices: list[int]) -> float:
-    """The runtime's small collectives of every step (runtime/train.py), each rank waiting for them:
-    the gradient norm's all-reduce and the metrics table's over the world, the loss's over the pipeline
-    and the data-parallel groups."""
+    """The runtime's small collectives of a step (runtime/bookkeeping.py), each rank waiting for them: one
+    all-reduce over the world of [gradient-norm squares, loss, metrics request] (float64), and the per-rank
+    metrics table's every METRICS_EVERY steps (amortised)."""
     world = topology.group_link([layout.placement[r] if layout.placement else r for r in range(layout.world_size)])
-    seconds = all_reduce_time(8, world) + all_reduce_time(16 * layout.world_size, world)
-    if layout.pp > 1:
-        seconds += all_reduce_time(4, topology.group_link(pipeline_devices))
-    if layout.dp > 1:
-        seconds += all_reduce_time(4, env.replicas)
-    return seconds
+    return all_reduce_time(24, world) + all_reduce_time(24 * layout.world_size, world) / METRICS_EVERY

@@ -93,6 +93,9 @@ class SoftwareStack:
     #                                    (its log-softmax materializes x - max and exp(x - max))
     fused_elementwise: bool = True  # norms, RoPE, SwiGLU run as fused kernels (TE, Megatron, torch.compile);
     #                                 False: eager PyTorch ops, each reading and writing memory (eager_ops traffic)
+    compiled_blocks: bool = False  # torch.compile per transformer block (`fivefold train --compile`): on a
+    #                                profiled CPU a block dispatches COMPILED_BLOCK_OPS instead of its eager ops,
+    #                                and its element-wise ops are fused (no unfused traffic)
     features: Features = Features()  # what the software can run at all
 
     def uses_dropout(self, model: ModelSpec) -> bool:
@@ -172,7 +175,21 @@ STACKS["fivefold-cpu"] = replace(STACKS["fivefold"], name="fivefold-cpu", overla
 
 def on_host_profiled_cpu(stack: SoftwareStack) -> SoftwareStack:
     """The stack's CPU variant (`NAME-cpu`), used when the ranks are CPUs profiled with host costs."""
-    return STACKS.get(f"{stack.name}-cpu", stack) if stack.eager_host_costs else stack
+    if not stack.eager_host_costs or f"{stack.name}-cpu" not in STACKS:
+        return stack
+    return replace(STACKS[f"{stack.name}-cpu"], compiled_blocks=stack.compiled_blocks,
+                   fused_elementwise=stack.fused_elementwise)
+
+
+def with_compile(stack: SoftwareStack, compiled: bool = True) -> SoftwareStack:
+    """`stack` running with torch.compile per transformer block (`fivefold train --compile`) or without."""
+    return replace(stack, compiled_blocks=compiled, fused_elementwise=True) if compiled else stack
+
+
+# What one compiled transformer block dispatches per micro-batch (forward, backward) on CPU under inductor:
+# the matmuls and attention as extern kernels, the element-wise ops fused into a few C++ kernels, the
+# AOTAutograd function around the graph.
+COMPILED_BLOCK_OPS = (14, 26)
 
 
 @dataclass(frozen=True)

@@ -125,10 +125,12 @@ def moe_summary(records: list[dict]) -> dict | None:
 def build_report(run: Run, stack_name: str | None = None) -> tuple[Report, Any, Any]:
     """(Report, Estimate, SimResult) of a run; the picture is written separately (report/timeline.py)."""
     from fivefold.cost import estimate, stack_named
+    from fivefold.cost.stack import with_compile
     from fivefold.sim import simulate_plan
 
     plan = run.plan
-    stack = stack_named(stack_name or default_stack())
+    # A run with --compile is predicted with compiled blocks (its metrics records say "compile": true).
+    stack = with_compile(stack_named(stack_name or default_stack()), any(r.get("compile") for r in run.measured))
     predicted = estimate(plan, stack)
     simulated = simulate_plan(plan, estimate=predicted)
     measured = run.measured
@@ -142,7 +144,8 @@ def build_report(run: Run, stack_name: str | None = None) -> tuple[Report, Any, 
         Figure("mfu_pct", "MFU", "%", 100 * predicted.mfu, 100 * sim_mfu, 100 * _median(measured, "mfu")),
     ]
     notes = []
-    per_rank = all("peak_memory_gib_per_rank" in r for r in measured)
+    # Per-rank lists come every --metrics-every steps (and on the first and last): medians over those.
+    per_rank = any("peak_memory_gib_per_rank" in r for r in measured)
     if not per_rank:
         notes.append("the metrics file has no per-rank lists (a run of an older fivefold): memory is the "
                      "busiest rank's, step time rank 0's")

@@ -51,6 +51,8 @@ class RunConfig:
     straggler_patience: int = 3  # ... for this many steps in a row
     collective_timeout: float = 600.0  # seconds a collective may wait for a peer before the step fails
     progress_file: str | None = None  # rank 0 writes the last finished step here (the launcher's interrupt line)
+    metrics_every: int = 10  # gather per-rank metrics every N steps (runtime/bookkeeping.py)
+    compile: bool = False  # torch.compile each transformer block (runtime/parallelize.py apply_compile)
 
     # Filled in by the launcher or the caller, never given as a `train` flag.
     DERIVED = frozenset({"plan_toml", "show_progress", "progress_to_stderr", "checkpoint_async", "resume_from",
@@ -99,6 +101,7 @@ class RunConfig:
         require(self.straggler_patience >= 1, "--straggler-patience", self.straggler_patience,
                 "must be at least 1 step")
         require(self.steps >= 1, "--steps", self.steps, "must be at least 1")
+        require(self.metrics_every >= 1, "--metrics-every", self.metrics_every, "must be at least 1 step")
         self.validate_numbers()
         self.validate_paths()
 

@@ -16,7 +16,6 @@ import socket
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -29,15 +28,6 @@ from fivefold.runtime.checkpointing import Checkpointer, Log
 from fivefold.runtime.config import RunConfig
 from fivefold.runtime.mesh import Mesh
 from fivefold.spec import Plan
-
-
-def agree_bad(verdict: Verdict, device: torch.device) -> Verdict:
-    """A step is bad when any rank judged it bad: one tiny all-reduce keeps every rank in lockstep."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return verdict
-    flag = torch.tensor([float(verdict.bad)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return verdict if verdict.bad or not flag.item() else Verdict(True, "another rank judged the step bad")
 
 
 def hostnames() -> list[str]:
@@ -83,8 +73,14 @@ class ElasticRun:
         return loader.samples_seen
 
     def judge(self, loss: float, grad_norm: float) -> Verdict:
-        """Bad (skip the update) when any rank finds the loss or gradient norm non-finite or a spike."""
-        return agree_bad(self.guard.judge(loss, grad_norm), self.mesh.device)
+        """Bad (skip the update) when the global loss or gradient norm is non-finite or a spike. Every rank
+        judges the same global values with the same history, so all reach the same verdict without a
+        collective of their own (runtime/bookkeeping.py)."""
+        return self.guard.judge(loss, grad_norm)
+
+    def wants_per_rank_metrics(self) -> bool:
+        """Rank 0's straggler watch is following a slow rank: it needs every step's per-rank times."""
+        return self.stragglers is not None and bool(self.stragglers.slow_since)
 
     def forward_seconds(self) -> float:
         """This step's stage-forward time on this rank (the straggler watch compares ranks by it)."""
@@ -103,7 +99,8 @@ class ElasticRun:
                          f"({self.guard.bad_in_a_row} bad in a row, rollback at "
                          f"{self.config.max_bad_steps or 'never'})")
                 self.events.write("bad_step", step=step, position=position, reason=verdict.reason)
-            for found in self.stragglers.observe(step, list(record["forward_time_s_per_rank"])):
+            # Per-rank times come on the steps that gather them (runtime/bookkeeping.py gathers_metrics).
+            for found in self.stragglers.observe(step, list(record.get("forward_time_s_per_rank", []))):
                 self.log(describe_straggler(found))
                 self.events.write("straggler", step=step, **found)
         self.checkpointer.step_done(step)

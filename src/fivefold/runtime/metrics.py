@@ -136,7 +136,8 @@ class Progress:
 
 class StepMeter:
     """Times one step and builds its metrics record: loss, throughput, MFU, the busiest rank's memory, and the
-    per-rank lists `fivefold report` and the straggler watch read (one gather over the ranks per step)."""
+    per-rank lists `fivefold report` and the straggler watch read (one gather over the ranks, on the steps
+    runtime/bookkeeping.py picks)."""
 
     def __init__(self, plan: Plan, device: torch.device, rank: int, compute_dtype: str, first_step: int) -> None:
         from fivefold.cost.flops import model_flops_per_step
@@ -147,6 +148,7 @@ class StepMeter:
         self.total_peak_flops = peak_flops(plan, compute_dtype)
         self.tokens = first_step * plan.train.tokens_per_step
         self.started = 0.0
+        self.memory = 0.0  # the busiest rank's peak memory at the last gather
 
     def start(self) -> None:
         self.started = time.perf_counter()
@@ -154,11 +156,20 @@ class StepMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def finish(self, step: int, loss: float, grad_norm: float, lr: float, skipped: bool, forward_s: float,
-               extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The record of `step` (1-based), once this rank's optimizer step is done."""
+               extra: dict[str, Any] | None = None, gather: bool = True) -> dict[str, Any]:
+        """The record of `step` (1-based), once this rank's optimizer step is done. `gather`: this step
+        gathers the per-rank lists (runtime/bookkeeping.py gathers_metrics); other steps carry none, and
+        their peak memory is the busiest rank's at the last gather, or this rank's own if higher."""
         own_step_time = seconds_since(self.started, self.device)  # this rank's step, before the gather below
-        memory_per_rank, time_per_rank, forward_per_rank = zip(*gather_from_ranks(
-            [peak_memory_gib(self.device), own_step_time, forward_s], self.device, self.rank))
+        per_rank: dict[str, Any] = {}
+        if gather:
+            memory_per_rank, time_per_rank, forward_per_rank = zip(*gather_from_ranks(
+                [peak_memory_gib(self.device), own_step_time, forward_s], self.device, self.rank))
+            self.memory = max(memory_per_rank)  # the busiest rank's memory is the one that must fit
+            per_rank = {"peak_memory_gib_per_rank": list(memory_per_rank), "step_time_s_per_rank": list(time_per_rank),
+                        "forward_time_s_per_rank": list(forward_per_rank)}
+        else:
+            self.memory = max(self.memory, peak_memory_gib(self.device))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         step_time = time.perf_counter() - self.started
@@ -167,9 +178,7 @@ class StepMeter:
         return {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": self.tokens,
                 "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
                 "mfu": self.flops_per_step / (step_time * self.total_peak_flops),
-                "peak_memory_gib": max(memory_per_rank),  # the busiest rank's memory is the one that must fit
-                "peak_memory_gib_per_rank": list(memory_per_rank), "step_time_s_per_rank": list(time_per_rank),
-                "first_step": self.first_step + 1, "forward_time_s_per_rank": list(forward_per_rank),
+                "peak_memory_gib": self.memory, **per_rank, "first_step": self.first_step + 1,
                 "skipped": skipped, "wall_time": time.time(), **(extra or {})}
 
 

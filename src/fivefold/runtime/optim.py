@@ -62,14 +62,11 @@ def _replicas(plan: Plan, sharded_dims: set[str]) -> int:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, plan: Plan) -> float:
-    """Scale gradients so their global L2 norm is at most `max_norm`; return the norm before clipping.
-
-    Each rank sums the squares of the gradient elements it holds, weighted by 1/replicas so that a
-    tensor replicated over dp/tp/cp counts once, and one all-reduce over the world (every stage, every
-    shard) gives the square of the global norm. Same idea as TorchTitan's dist_utils.clip_grad_norm_,
-    which adds the pp all-reduce on top of DTensor's norm.
-    """
+def local_grad_norm_squared(params: list[nn.Parameter], plan: Plan) -> torch.Tensor:
+    """This rank's share of the squared global gradient norm (float64 scalar): the squares of the gradient
+    elements it holds, weighted by 1/replicas so that a tensor replicated over dp/tp/cp counts once. Summed
+    over the world (every stage, every shard) it is the square of the global norm. Same idea as TorchTitan's
+    dist_utils.clip_grad_norm_, which adds the pp all-reduce on top of DTensor's norm."""
     for param in params:
         grad = param.grad
         if isinstance(grad, DTensor) and any(isinstance(pl, Partial) for pl in grad.placements):
@@ -90,17 +87,30 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, plan: Plan) -> 
         else:
             sharded, local = set(), grad
         locals_by_replicas.setdefault(_replicas(plan, sharded), []).append(local)
-    all_locals = [t for group in locals_by_replicas.values() for t in group]
-    if not all_locals:
-        return 0.0
-    total_sq = torch.zeros((), dtype=torch.float64, device=all_locals[0].device)
+    device = next((t.device for group in locals_by_replicas.values() for t in group), torch.device("cpu"))
+    total_sq = torch.zeros((), dtype=torch.float64, device=device)
     for replicas, group in locals_by_replicas.items():
         norms = torch.stack(torch._foreach_norm(group)).double()  # one fused pass, as torch's clip does
         total_sq += norms.pow(2).sum() / replicas
+    return total_sq
+
+
+@torch.no_grad()
+def clip_to_norm(params: list[nn.Parameter], max_norm: float, total_norm: float) -> None:
+    """Scale the gradients this rank holds so that their global norm `total_norm` becomes at most `max_norm`."""
+    clip = max_norm / (total_norm + 1e-6)
+    if clip < 1.0:
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+        torch._foreach_mul_(grads, clip)  # the local shards are the DTensors' storage
+
+
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, plan: Plan) -> float:
+    """Scale gradients so their global L2 norm is at most `max_norm`; return the norm before clipping.
+    One all-reduce of the local squares over the world (the training loop sends them together with the
+    loss instead: runtime/bookkeeping.py)."""
+    total_sq = local_grad_norm_squared(params, plan)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total_sq)
     total_norm = math.sqrt(total_sq.item())
-    clip = max_norm / (total_norm + 1e-6)
-    if clip < 1.0:
-        torch._foreach_mul_(all_locals, clip)  # the local shards are the DTensors' storage
+    clip_to_norm(params, max_norm, total_norm)
     return total_norm

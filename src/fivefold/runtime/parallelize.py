@@ -151,6 +151,17 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
             model.layers[key] = checkpoint_wrapper(block, context_fn=_selective_contexts)
 
 
+# --- torch.compile ---------------------------------------------------------------------------------
+
+def apply_compile(model: Transformer) -> None:
+    """Compile each transformer block in place (nn.Module.compile keeps the module, so parameter names,
+    hooks and checkpoints are unchanged), after TP and activation checkpointing and before FSDP, as
+    TorchTitan does. The blocks share one graph: dynamo treats their parameters as inputs, so the first
+    block's compilation serves all (same shapes)."""
+    for block in model.layers.values():
+        block.compile(fullgraph=False)
+
+
 # --- data parallel / ZeRO --------------------------------------------------------------------------
 
 class AsyncReduceScatter(DefaultReduceScatter):
@@ -162,13 +173,13 @@ class AsyncReduceScatter(DefaultReduceScatter):
         self.async_op = True
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op, async_op: bool = False) -> dist.Work | None:
+                 op, async_op: bool = False) -> dist.Work:
         if not self.async_op:
             self.wait()  # FIFO per process group anyway; keeps `pending` short
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
         work = super().__call__(output_tensor, input_tensor, group, op, async_op=True)
         self.pending.append((work, output_tensor, input_tensor))
-        return None
+        return work  # FSDP2 does not wait on what its comm returns
 
     def wait(self) -> None:
         for work, _, _ in self.pending:

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -40,8 +39,9 @@ from fivefold.runtime.expert_parallel import (expert_mesh, forget_metadata_infer
 from fivefold.runtime.knobs import NO_KNOBS, FaultKnobs
 from fivefold.runtime.mesh import Mesh, build_mesh, init_distributed, pick_device
 from fivefold.runtime.metrics import MetricsFile, Progress, StepMeter, summarize
-from fivefold.runtime.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
-from fivefold.runtime.parallelize import (apply_activation_checkpointing, apply_data_parallel,
+from fivefold.runtime.bookkeeping import gathers_metrics, reduce_step_totals
+from fivefold.runtime.optim import build_optimizer, clip_to_norm, local_grad_norm_squared, lr_at, set_lr
+from fivefold.runtime.parallelize import (apply_activation_checkpointing, apply_compile, apply_data_parallel,
                                           apply_tensor_parallel, finish_gradient_sync, set_gradient_sync,
                                           uses_ddp, wrap_ddp)
 from fivefold.runtime.pipeline import build_schedule, build_stage_model, run_schedule
@@ -69,7 +69,7 @@ def compute_dtype(plan: Plan, device: torch.device) -> torch.dtype | None:
 
 
 def build_model_parts(plan: Plan, mesh: Mesh, seed: int, param_dtype: torch.dtype | None,
-                      knobs: FaultKnobs = NO_KNOBS) -> dict[int, nn.Module]:
+                      knobs: FaultKnobs = NO_KNOBS, compile_blocks: bool = False) -> dict[int, nn.Module]:
     """This rank's stage models, keyed by virtual stage index, parallelized and initialised."""
     parts = {}
     moe_mesh = expert_mesh(plan, mesh.device) if plan.ep > 1 else None
@@ -81,6 +81,8 @@ def build_model_parts(plan: Plan, mesh: Mesh, seed: int, param_dtype: torch.dtyp
         if plan.cp > 1:
             apply_context_parallel(model, mesh.group("cp"), plan.cp_method)
         apply_activation_checkpointing(model, plan.recompute)
+        if compile_blocks:
+            apply_compile(model)
         if plan.model.is_moe:
             prepare_moe(model, plan, moe_mesh, param_dtype)  # experts over ep, before dp wraps the blocks
         if dp_mesh is not None and not uses_ddp(plan, mesh.device):  # gradients summed over dp x cp
@@ -114,15 +116,6 @@ def end_of_document_of(config: RunConfig, loader) -> int:
     found = end_of_document_id(loader.dataset, load_tokenizer(config.tokenizer))
     assert found is not None, "check_data refuses --document-mask without an end-of-document token"
     return found
-
-
-def reduce_loss(local_loss: torch.Tensor, plan: Plan, mesh: Mesh) -> float:
-    """The step's global loss: summed over the pipeline (only the last stage holds a loss) and over
-    the data-parallel replicas (each holds its rows' share) and the cp ranks (each its tokens' share)."""
-    for dim in ("pp", "dp", "cp"):
-        if getattr(plan, dim) > 1:
-            dist.all_reduce(local_loss, group=mesh.group(dim))
-    return local_loss.item()
 
 
 @dataclass
@@ -185,7 +178,7 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
     elastic = ElasticRun(config, plan, mesh, restart, log, started)
 
     param_dtype = compute_dtype(plan, device)
-    parts = build_model_parts(plan, mesh, config.seed, param_dtype, knobs)
+    parts = build_model_parts(plan, mesh, config.seed, param_dtype, knobs, config.compile)
     params = [p for part in parts.values() for p in part.parameters()]
     optimizer = build_optimizer(params, config.lr)
     loader = make_loader(config, plan)
@@ -225,8 +218,11 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
         # This cp rank's columns (all of them without cp), and positions / document ids when needed.
         inputs, targets, extra = shard_batch(plan, mesh.coords["cp"], batch[:, :-1], batch[:, 1:], end_of_document)
         local_loss = forward_backward(step_model, inputs, targets, extra)
-        grad_norm = clip_grad_norm_(params, config.grad_clip, plan)
-        loss = reduce_loss(local_loss, plan, mesh)
+        # One all-reduce: gradient-norm squares, loss, and rank 0's request for per-rank metrics.
+        totals = reduce_step_totals(local_grad_norm_squared(params, plan), local_loss, plan, mesh.coords["tp"],
+                                    request_metrics=elastic.wants_per_rank_metrics())
+        grad_norm, loss = totals.grad_norm, totals.loss
+        clip_to_norm(params, config.grad_clip, grad_norm)
         verdict = elastic.judge(loss, grad_norm)
         with tracer.span(OPTIMIZER):
             if not verdict.bad:  # the loss guard: a bad step leaves weights and optimizer state untouched
@@ -234,7 +230,12 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
             optimizer.zero_grad(set_to_none=True)
 
         moe_metrics = moe_step_metrics(parts, plan, device, not verdict.bad) if plan.model.is_moe else {}
-        record = meter.finish(step + 1, loss, grad_norm, lr, verdict.bad, elastic.forward_seconds(), moe_metrics)
+        gather = gathers_metrics(step + 1, first_step + 1, config.steps, config.metrics_every, verdict.bad,
+                                 totals.metrics_requested)
+        if config.compile:
+            moe_metrics = {**moe_metrics, "compile": True}  # the report predicts it with compiled blocks
+        record = meter.finish(step + 1, loss, grad_norm, lr, verdict.bad, elastic.forward_seconds(), moe_metrics,
+                              gather)
         tracer.end_step()
         history.append(record)
         if is_rank0:
