@@ -195,14 +195,15 @@ def fivefold_step_times(plan, steps: int, seed: int, metrics_file: str, compile_
 
 def bench_worker(jobs: list[dict]) -> list[dict]:
     """Runs in every worker process of one launch: each job's plain and fivefold runs, alternating."""
+    import tomllib
+
+    import torch
     import torch.distributed as dist
 
-    from fivefold.elastic.hang import init_distributed_with_timeout
+    from fivefold.runtime.mesh import init_distributed
     from fivefold.spec import plan_from_dict
-    import tomllib
-    import torch
 
-    init_distributed_with_timeout(torch.device("cpu"), 600.0)
+    init_distributed(torch.device("cpu"), 600.0)
     out = []
     try:
         for job in jobs:

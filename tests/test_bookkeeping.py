@@ -30,21 +30,19 @@ def test_metrics_gathered_every_n_steps_and_when_needed():
 def _count_collectives(rank: int, world: int, port: int, folder: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-    import importlib
-
     import torch.distributed as dist
 
-    loop = importlib.import_module("fivefold.runtime.train")  # the module: fivefold.runtime.train is the function
     from fivefold.runtime import RunConfig
+    from fivefold.runtime.knobs import FaultKnobs
+    from fivefold.runtime.train import train
     from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
 
     step = [0]
     counts: dict[int, int] = {}
-    started = loop.step_started
 
-    def step_started(number, *args, **kwargs):
-        step[0] = number
-        return started(number, *args, **kwargs)
+    class StepMarks(FaultKnobs):
+        def step_started(self, number: int, rank: int, restart: int) -> None:
+            step[0] = number
 
     def counting(function):
         def wrapper(*args, **kwargs):
@@ -52,13 +50,12 @@ def _count_collectives(rank: int, world: int, port: int, folder: str) -> None:
             return function(*args, **kwargs)
         return wrapper
 
-    loop.step_started = step_started
     for name in COUNTED:
         setattr(dist, name, counting(getattr(dist, name)))
     plan = Plan(model=PRESETS["tiny"], cluster=parse_cluster(f"1x{world}xcpu"), dp=world, micro_batch=2,
                 train=TrainSpec(seq_len=32, global_batch=4, dtype="fp32"))
-    loop.train(RunConfig(plan.to_toml(), steps=STEPS, device="cpu", show_progress=False, metrics_every=EVERY,
-                         straggler_factor=0, metrics_file=str(Path(folder) / "metrics.jsonl")))
+    train(RunConfig(plan.to_toml(), steps=STEPS, device="cpu", show_progress=False, metrics_every=EVERY,
+                    straggler_factor=0, metrics_file=str(Path(folder) / "metrics.jsonl")), StepMarks())
     (Path(folder) / f"counts-{rank}.json").write_text(json.dumps(counts))
     dist.destroy_process_group()
 

@@ -16,6 +16,13 @@ from fivefold.cost.stack import (COMPILED_BLOCK_OPS, SoftwareStack, TensorParall
 NO_TP_COLLECTIVES = TensorParallelCollectives(0, 0, 0, 0, 0, 0)
 
 
+def ddp_on_cpu(layout: Layout) -> bool:
+    """The runtime runs ZeRO-0 data parallelism without tp/pp/cp under DistributedDataParallel on CPU
+    (runtime/parallelize.py uses_ddp): buckets of gradients, no per-module FSDP hooks or collectives."""
+    return layout.dp > 1 and layout.zero == 0 and layout.tp == layout.pp == layout.cp == 1 and \
+        not layout.model.is_moe
+
+
 def _host_pass(forward: float, backward: float, recompute: bool) -> PassCost:
     """Host seconds in series with a pass: forward, input-gradient backward, and the forward again when
     recomputed."""
@@ -37,7 +44,8 @@ def with_host_costs(layout: Layout, env: RankEnv, stack: SoftwareStack, costs: L
     # What each DTensor collective costs beyond the collective itself (which cost/layer.py charges).
     tp = tensor_parallel_collectives(layout.sequence_parallel) if tensor_parallel else NO_TP_COLLECTIVES
     collective = host.tp_collective
-    wrapped = layout.dp * layout.cp > 1  # FSDP2 / replicate wrap each block and each stage model
+    # FSDP2 / replicate wrap each block and each stage model (DDP hooks the parameters in C++ instead).
+    wrapped = layout.dp * layout.cp > 1 and not ddp_on_cpu(layout)
     hooks_f, hooks_b = (host.fsdp_unit_forward, host.fsdp_unit_backward) if wrapped else (0.0, 0.0)
     recompute = layout.recompute != "none"
     # The unfused element-wise traffic beyond cost/layer.py's fused kernels: this rank's tokens, its TP shard.

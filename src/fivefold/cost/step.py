@@ -36,7 +36,7 @@ less the headroom. What the stack does with gradients and weights is cost.stack.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple, Sequence
 
 from fivefold.cost.cache import IdentityCache
@@ -44,7 +44,7 @@ from fivefold.cost.comm import GroupLink, Topology, p2p_time, topology_of
 from fivefold.cost.dataparallel import (data_parallel_time, fsdp_host_time, optimizer_host_time, optimizer_time,
                                        parameter_tensors)
 from fivefold.cost.flops import hardware_flops_per_step, model_flops_per_step
-from fivefold.cost.host import bookkeeping_time, with_host_costs
+from fivefold.cost.host import bookkeeping_time, ddp_on_cpu, with_host_costs
 from fivefold.cost.layer import padded_vocab
 from fivefold.cost.layout import (Layout, LayerCosts, RankEnv, RankGroup, layer_costs, rank_envs, stage_owners,
                                   stage_params)
@@ -130,6 +130,8 @@ def _step_costs(layout: Layout, stack: SoftwareStack, headroom: float, detail: b
     envs = rank_envs(layout, topology)
     if envs[0].device.host is not None:  # CPU ranks profiled with host costs: the stack's CPU variant
         stack = on_host_profiled_cpu(stack)
+        if stack.eager_host_costs and ddp_on_cpu(layout):  # DDP's bucketed all-reduce, not one per module
+            stack = replace(stack, collective_per_module=False)
     p, m_batches = layout.pp, layout.num_micro_batches
     e = 4 if layout.train.dtype == "fp32" else 2
     tokens = layout.micro_batch * layout.train.seq_len // layout.cp
@@ -164,7 +166,8 @@ def _step_costs(layout: Layout, stack: SoftwareStack, headroom: float, detail: b
                              stack.async_p2p, members).total
     dp_exposed = held - pipe.total + data.head + data.tail
     if stack.eager_host_costs and any(g.env.device.host is not None for g in ordered):
-        dp_exposed += max(fsdp_host_time(layout, stack, g.env, g.layers + g.chunks) for g in ordered)
+        if not ddp_on_cpu(layout):
+            dp_exposed += max(fsdp_host_time(layout, stack, g.env, g.layers + g.chunks) for g in ordered)
         dp_exposed += bookkeeping_time(layout, topology, envs[0], [first_ranks[r] for r in range(p)])
     optimizer = max(optimizer_time(layout, g.env, g.dense, g.expert) + (optimizer_host_time(
         layout, g.env, parameter_tensors(layout.model, g.layers, g.first, g.last, g.first))
