@@ -270,6 +270,8 @@ def main() -> int:
                     for index in range(args.rounds) for row in rows if ROWS[row][0] == nproc]
             results += launch_jobs(jobs, nproc)
             loads.append(load_average())
+            print(json.dumps([{k: v for k, v in r.items() if k not in ("plan", "metrics")} for r in results]),
+                  flush=True)  # the raw per-round medians, in case the table below fails
     minutes = (time.perf_counter() - started) / 60
     print(f"model {args.model}, seq {args.seq_len}, global batch {args.global_batch}, fp32, 1 thread per rank, "
           f"{args.rounds} rounds of {args.steps} steps ({args.warmup} warm-up); load average (1/5/15 min) "
