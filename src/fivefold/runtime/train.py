@@ -69,8 +69,11 @@ def compute_dtype(plan: Plan, device: torch.device) -> torch.dtype | None:
 
 
 def build_model_parts(plan: Plan, mesh: Mesh, seed: int, param_dtype: torch.dtype | None,
-                      knobs: FaultKnobs = NO_KNOBS, compile_blocks: bool = False) -> dict[int, nn.Module]:
-    """This rank's stage models, keyed by virtual stage index, parallelized and initialised."""
+                      knobs: FaultKnobs = NO_KNOBS, compile_blocks: bool = False,
+                      cpu_overlap: bool = False) -> dict[int, nn.Module]:
+    """This rank's stage models, keyed by virtual stage index, parallelized and initialised. `cpu_overlap`
+    (training on CPU): ZeRO-0 plain dp is left for DDP (train() wraps it after init) and ZeRO-1/2/3 reduce
+    asynchronously (runtime/parallelize.py); the dry run keeps the GPU runtime's form."""
     parts = {}
     moe_mesh = expert_mesh(plan, mesh.device) if plan.ep > 1 else None
     dp_mesh = data_parallel_mesh(mesh.world, plan) if plan.dp * plan.cp > 1 else None
@@ -85,8 +88,8 @@ def build_model_parts(plan: Plan, mesh: Mesh, seed: int, param_dtype: torch.dtyp
             apply_compile(model)
         if plan.model.is_moe:
             prepare_moe(model, plan, moe_mesh, param_dtype)  # experts over ep, before dp wraps the blocks
-        if dp_mesh is not None and not uses_ddp(plan, mesh.device):  # gradients summed over dp x cp
-            apply_data_parallel(model, dp_mesh, plan.zero, param_dtype, overlap_on_cpu=mesh.device.type == "cpu")
+        if dp_mesh is not None and not (cpu_overlap and uses_ddp(plan, mesh.device)):  # summed over dp x cp
+            apply_data_parallel(model, dp_mesh, plan.zero, param_dtype, overlap_on_cpu=cpu_overlap)
         model.to_empty(device=mesh.device)
         init_weights(model, seed)
         model.train()
@@ -178,7 +181,8 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
     elastic = ElasticRun(config, plan, mesh, restart, log, started)
 
     param_dtype = compute_dtype(plan, device)
-    parts = build_model_parts(plan, mesh, config.seed, param_dtype, knobs, config.compile)
+    parts = build_model_parts(plan, mesh, config.seed, param_dtype, knobs, config.compile,
+                              cpu_overlap=device.type == "cpu")
     params = [p for part in parts.values() for p in part.parameters()]
     optimizer = build_optimizer(params, config.lr)
     loader = make_loader(config, plan)
