@@ -21,7 +21,8 @@ def test_two_workers_without_cluster_create_their_folders_and_write_tensorboard(
     board = tmp_path / "boards" / "a"
     checkpoints = tmp_path / "ck" / "a"
     assert main(["train", "--nproc", "2", "--dp", "2", "--steps", "3", *SMALL, "--metrics-file", str(metrics),
-                 "--tensorboard", str(board), "--checkpoint-dir", str(checkpoints)]) == 0
+                 "--tensorboard", str(board), "--checkpoint-dir", str(checkpoints),
+                 "--metrics-every", "1"]) == 0  # per-rank lists on every step, not every 10th
     out = capsys.readouterr().out
     assert "done: 3 steps of dp2 tp1 pp1" in out
     assert checkpoint_problem(checkpoints / "step-00000003") is None

@@ -159,47 +159,46 @@ def build_and_step(plan: Plan, mesh, param_dtype: torch.dtype | None, seed: int,
     from fivefold.runtime.train import TokenCrossEntropy, build_model_parts
 
     device = mesh.device
-    if True:
-        parts = build_model_parts(plan, mesh, seed, param_dtype)
-        params = [p for part in parts.values() for p in part.parameters()]
-        optimizer = build_optimizer(params, lr=1e-4)
-        for param in params:  # optimizer state as in every step after the first
-            param.grad = torch.zeros_like(param)
+    parts = build_model_parts(plan, mesh, seed, param_dtype)
+    params = [p for part in parts.values() for p in part.parameters()]
+    optimizer = build_optimizer(params, lr=1e-4)
+    for param in params:  # optimizer state as in every step after the first
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    micro_batches = plan.micro_batches_of_replica(mesh.coords["dp"])
+    rows = micro_batches * plan.micro_batch
+    tokens = torch.randint(1, plan.model.vocab, (rows, plan.train.seq_len + 1), device=device)
+    # This cp rank's columns and the model's positions / document ids, exactly as training cuts them.
+    inputs, targets, extra = shard_batch(plan, mesh.coords["cp"], tokens[:, :-1], tokens[:, 1:], 0)
+    mb_extras = split_micro_batches(extra, plan.micro_batch) or [{}] * micro_batches
+    loss_fn = TokenCrossEntropy(plan.train.global_batch * plan.train.seq_len)
+    autocast = (torch.autocast(device.type, dtype=param_dtype) if param_dtype is not None and plan.dp == 1
+                else contextlib.nullcontext())
+    schedule = None
+    if plan.pp > 1:
+        schedule = build_schedule(plan, parts, mesh.group("pp"), device, micro_batches, loss_fn)
+        activation_dtype = param_dtype if param_dtype is not None and plan.dp > 1 else torch.float32
+        # Static shapes on real tensors too: the tracker's hooks refuse the autograd.grad call of the
+        # dynamic shape inference, which only runs in a run's first step anyway.
+        static_pipeline(schedule, stage_metas(plan, activation_dtype, device))
+
+    tracker = _tracker(parts, optimizer, (inputs, targets))
+    with _per_micro_batch_stats(tracker, list(parts.values())), tracker:
+        with autocast:
+            if schedule is not None:
+                run_schedule(schedule, plan, list(parts), inputs, targets, extra)
+            else:
+                model = parts[0]
+                for index, (mb_in, mb_out) in enumerate(zip(inputs.split(plan.micro_batch),
+                                                            targets.split(plan.micro_batch))):
+                    set_gradient_sync(model, plan.zero, index, micro_batches)
+                    loss_fn(model(mb_in, **mb_extras[index]), mb_out).backward()
+        if fake:
+            value_free(lambda: clip_grad_norm_(params, 1.0, plan))
+        else:
+            clip_grad_norm_(params, 1.0, plan)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-
-        micro_batches = plan.micro_batches_of_replica(mesh.coords["dp"])
-        rows = micro_batches * plan.micro_batch
-        tokens = torch.randint(1, plan.model.vocab, (rows, plan.train.seq_len + 1), device=device)
-        # This cp rank's columns and the model's positions / document ids, exactly as training cuts them.
-        inputs, targets, extra = shard_batch(plan, mesh.coords["cp"], tokens[:, :-1], tokens[:, 1:], 0)
-        mb_extras = split_micro_batches(extra, plan.micro_batch) or [{}] * micro_batches
-        loss_fn = TokenCrossEntropy(plan.train.global_batch * plan.train.seq_len)
-        autocast = (torch.autocast(device.type, dtype=param_dtype) if param_dtype is not None and plan.dp == 1
-                    else contextlib.nullcontext())
-        schedule = None
-        if plan.pp > 1:
-            schedule = build_schedule(plan, parts, mesh.group("pp"), device, micro_batches, loss_fn)
-            activation_dtype = param_dtype if param_dtype is not None and plan.dp > 1 else torch.float32
-            # Static shapes on real tensors too: the tracker's hooks refuse the autograd.grad call of the
-            # dynamic shape inference, which only runs in a run's first step anyway.
-            static_pipeline(schedule, stage_metas(plan, activation_dtype, device))
-
-        tracker = _tracker(parts, optimizer, (inputs, targets))
-        with _per_micro_batch_stats(tracker, list(parts.values())), tracker:
-            with autocast:
-                if schedule is not None:
-                    run_schedule(schedule, plan, list(parts), inputs, targets, extra)
-                else:
-                    model = parts[0]
-                    for index, (mb_in, mb_out) in enumerate(zip(inputs.split(plan.micro_batch),
-                                                                targets.split(plan.micro_batch))):
-                        set_gradient_sync(model, plan.zero, last_micro_batch=index == micro_batches - 1)
-                        loss_fn(model(mb_in, **mb_extras[index]), mb_out).backward()
-            if fake:
-                value_free(lambda: clip_grad_norm_(params, 1.0, plan))
-            else:
-                clip_grad_norm_(params, 1.0, plan)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        return _peak(tracker, started, micro_batches)
+    return _peak(tracker, started, micro_batches)
