@@ -276,3 +276,14 @@ def test_every_run_config_flag_field_is_a_train_flag_with_the_same_default():
     defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
     assert {name: parsed.get(name, "missing") for name in RunConfig.flag_fields()} == {
         name: defaults[name] for name in RunConfig.flag_fields()}
+
+
+def test_uneven_replicas_with_zero2_or_3_and_no_pipeline_are_refused():
+    # ZeRO-2/3 reduce every micro-batch: replicas of 1 and 3 micro-batches would issue 1 and 3 collectives.
+    for zero in (2, 3):
+        plan = make_plan(2, dp=2, zero=zero, micro_batch=2, replica_micro_batches=(1, 3))
+        with pytest.raises(SpecError) as caught:
+            check_runnable(plan, 2)
+        assert caught.value.field == "plan.replica_micro_batches" and "zero 0 or 1" in str(caught.value)
+    for zero in (0, 1):  # one reduction per step: runnable
+        check_runnable(make_plan(2, dp=2, zero=zero, micro_batch=2, replica_micro_batches=(1, 3)), 2)

@@ -53,6 +53,12 @@ def check_runnable(plan: Plan, nproc: int, device: str = "cpu", gpus: int = 0, l
         local = plan.train.seq_len // plan.cp
         require(local % plan.tp == 0, "plan.sequence_parallel", True,
                 f"each cp rank holds seq_len/cp = {local} tokens, which tp={plan.tp} must divide")
+    if plan.pp == 1 and plan.zero >= 2 and len(set(plan.replica_micro_batches)) > 1:
+        # ZeRO-2/3 reduce-scatter every micro-batch without a pipeline: replicas would issue different numbers
+        # of collectives on one communicator, which NCCL pairs in order (a mismatch or a hang).
+        raise SpecError("plan.replica_micro_batches", list(plan.replica_micro_batches),
+                        f"uneven replicas need one gradient reduction per step; zero={plan.zero} reduces every "
+                        "micro-batch; use zero 0 or 1, even micro-batches, or pp > 1")
     if plan.model.is_moe:
         from fivefold.runtime.expert_parallel import check_moe_runnable
         check_moe_runnable(plan)
