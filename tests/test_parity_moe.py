@@ -1,6 +1,7 @@
 """Expert parallelism computes the same training run: tiny-moe, 5 fp32 steps on CPU/gloo, loss, global
 gradient norm, auxiliary loss and expert load match the single-process run within 1e-5 relative under ep
-folded over dp (with ZeRO, pp and tp), and a checkpoint resumes across an ep change (ep2 -> ep1,
+folded over dp (with ZeRO, pp and tp) and over dp x cp (auxiliary loss off: the runtime refuses it with cp), and a
+checkpoint resumes across an ep change (ep2 -> ep1,
 ep1 -> ep4) within 1e-5.
 
 One launch per world size (as in test_parity_plans.py); the resumes run after their sources in it.
@@ -9,6 +10,7 @@ One launch per world size (as in test_parity_plans.py); the resumes run after th
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,12 @@ PLANS: dict[str, dict] = {
                                     micro_batch=2),
     "dp2xpp2-ep2-zbv": dict(dp=2, pp=2, ep=2, zero=2, schedule="zbv", virtual_stages=2, micro_batch=2),
     "dp2xtp2-ep2-sp": dict(dp=2, tp=2, ep=2, sequence_parallel=True, micro_batch=2),
+}
+# ep folded over dp x cp: the runtime refuses the auxiliary loss with cp > 1, so these train a model without it.
+NO_AUX_MODEL = replace(MODEL, name="tiny-moe-noaux", aux_loss_coef=0.0)
+CP_PLANS: dict[str, dict] = {
+    "cp:dp2xcp2-ep4-zero3": dict(dp=2, cp=2, ep=4, zero=3, micro_batch=2),
+    "cp:dp2xcp2-ep2-ulysses": dict(dp=2, cp=2, ep=2, cp_method="ulysses", micro_batch=2),
 }
 RESUMES = {"ep2 -> ep1": ("dp4-ep2", 1, {}), "ep1 -> ep4": ("dp4-ep1", 4, dict(dp=4, ep=4, micro_batch=2))}
 
@@ -83,8 +91,10 @@ def folder(tmp_path_factory) -> Path:
                                                      dp=4, ep=2, micro_batch=2), init_from_hf=str(folder / "hf")))
     world4.append(config(folder, "qk:dp2xtp2-ep2-sp", make_plan(4, QK_MODEL, dp=2, tp=2, ep=2, sequence_parallel=True,
                                                                 micro_batch=2)))
+    world4 += [config(folder, name, make_plan(4, NO_AUX_MODEL, **fields)) for name, fields in CP_PLANS.items()]
     launch(world4, 4)
-    world1 = [config(folder, "reference", make_plan(1)), config(folder, "qk:reference", make_plan(1, QK_MODEL))]
+    world1 = [config(folder, "reference", make_plan(1)), config(folder, "qk:reference", make_plan(1, QK_MODEL)),
+              config(folder, "cp:reference", make_plan(1, NO_AUX_MODEL))]
     world1 += [config(folder, name, make_plan(world, **fields), resume_from=str(step_dir(folder / source, SAVED_AT)))
                for name, (source, world, fields) in RESUMES.items() if world == 1]
     launch(world1, 1)
@@ -106,6 +116,12 @@ def test_expert_parallel_matches_single_process(folder, name):
 @pytest.mark.slow
 def test_head_dim_and_qk_norm_under_tp_and_ep(folder):
     assert_same_run(records(folder, "qk:reference"), records(folder, "qk:dp2xtp2-ep2-sp"), "qk")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CP_PLANS))
+def test_expert_parallel_folded_over_context_parallel_matches_single_process(folder, name):
+    assert_same_run(records(folder, "cp:reference"), records(folder, name), name)
 
 
 @pytest.mark.slow
