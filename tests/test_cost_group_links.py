@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fivefold.cost import STACKS, Layout, estimate
 from fivefold.cost.comm import all_reduce_time, topology_of
 from fivefold.cost.layout import rank_envs
@@ -35,3 +37,14 @@ def test_data_parallel_groups_of_every_tp_rank_are_checked() -> None:
     each = [topology.group_link([layout.rank_of(dp=i, tp=t) for i in range(layout.dp)]) for t in range(6)]
     assert env.replicas.size == 16
     assert all_reduce_time(2**26, env.replicas) == max(all_reduce_time(2**26, link) for link in each)
+
+
+def test_tp_comm_overlap_needs_the_tp_group_inside_one_node() -> None:
+    # Userbuffers (Megatron-Core + TE) and async TP (SymmetricMemory) pipeline TP collectives through peer
+    # memory over NVLink: a tp16 group on 8-GPU nodes runs plain collectives, mostly exposed, while tp8
+    # inside a node hides all but one ring step.
+    overlapped, plain = STACKS["megatron-core"], replace(STACKS["megatron-core"], overlap_tp_comm=False)
+    tp8 = estimate(_plan(8), overlapped).breakdown_s["tp_comm"]
+    assert tp8 < 0.5 * estimate(_plan(8), plain).breakdown_s["tp_comm"]
+    assert estimate(_plan(16), overlapped).breakdown_s["tp_comm"] == estimate(_plan(16), plain).breakdown_s["tp_comm"]
+    assert estimate(_plan(16), overlapped).breakdown_s["tp_comm"] > 3 * tp8

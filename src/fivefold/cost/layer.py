@@ -157,12 +157,14 @@ def _tp_collectives(work: _Work, num_bytes: float, link: GroupLink, sequence_par
     Overlap, when the stack does it: the input-gradient collective runs while the input GEMM computes its
     weight gradient (Megatron's async TP all-reduce); with `overlap_tp_comm` every collective is cut into
     chunks pipelined with the region's GEMMs (Transformer Engine userbuffers, PyTorch async TP), leaving
-    one ring step exposed.
+    one ring step exposed. Both pipeline through peer memory over NVLink (userbuffers map the TP ranks'
+    buffers with CUDA IPC; async TP uses SymmetricMemory), so they only exist for a TP group inside one
+    node: a group that spans nodes runs plain NCCL collectives.
     """
     if link.size <= 1:
         return
     seconds = 2 * all_gather_time(num_bytes, link) if sequence_parallel else all_reduce_time(num_bytes, link)
-    if stack.overlap_tp_comm:
+    if stack.overlap_tp_comm and link.nodes == 1:
         forward_cover = sum(g[0] for g in gemms)
         backward_cover = sum(g[1] + g[2] for g in gemms)
         floor = seconds / link.size
