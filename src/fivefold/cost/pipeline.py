@@ -53,6 +53,7 @@ chunks both ways, two at p = 2).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Sequence
 
 from fivefold.cost.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, rank_orders,
@@ -198,64 +199,86 @@ def walk_orders(schedule: str, pp: int, virtual_stages: int, micro_batches: int,
     collectives and link queues. `stages[i]` = (F, B, W, send) of virtual stage i for one micro-batch; an
     activation (gradient) crossing to another rank arrives `send` after it is produced, and holds the sender
     that long when sends block. A rank runs until its next input is missing and is woken when it arrives,
-    so each action is looked at a constant number of times."""
-    orders = rank_orders(schedule, pp, virtual_stages, micro_batches)
-    owner = order_owners(orders)
-    m, last = micro_batches, len(stages) - 1
-    size = len(stages) * m  # inputs: activation in [0, size), gradient in, last forward done, I done
-    ready: list[float | None] = [None] * (4 * size)
-    parked = [-1] * (4 * size)
+    so each action is looked at a constant number of times; the orders come pre-compiled to flat integer
+    programs (_walk_program), so the loop only adds times."""
+    program, keys = _walk_program(schedule, pp, virtual_stages, micro_batches)
+    durations = [x for forward, backward, weight, _ in stages for x in (forward, backward, backward + weight, weight)]
+    sends = [stage[3] for stage in stages]
+    ready: list[float] = [-1.0] * keys  # -1: not produced yet (every real time is >= 0)
+    parked = [-1] * keys
     free, cursor, todo = [0.0] * pp, [0] * pp, list(range(pp))
-
-    def deliver(key: int, time: float) -> None:
-        ready[key] = time
-        if parked[key] >= 0:
-            todo.append(parked[key])
-            parked[key] = -1
-
     while todo:
         rank = todo.pop()
-        actions, index, t = orders[rank], cursor[rank], free[rank]
-        while index < len(actions):
-            kind, stage, micro_batch = actions[index]
-            at = stage * m + micro_batch
-            key = ((-1 if stage == 0 else at) if kind == FORWARD else 3 * size + at if kind == BACKWARD_WEIGHT
-                   else 2 * size + at if stage == last else size + at)
-            if key >= 0:
-                arrived = ready[key]
-                if arrived is None:
-                    parked[key] = rank
+        code, index, t = program[rank], cursor[rank], free[rank]
+        end = len(code)
+        while index < end:
+            needs = code[index]
+            if needs >= 0:
+                arrived = ready[needs]
+                if arrived < 0.0:
+                    parked[needs] = rank
                     break
-                t = max(t, arrived)
-            forward, backward, weight, _ = stages[stage]
-            index += 1
-            if kind == BACKWARD_WEIGHT:
-                t += weight
-                continue
-            if kind == FORWARD:
-                t += forward
-                target, key = stage + 1, at + m  # the next stage's activation input
-                if stage == last:
-                    deliver(2 * size + at, t)
-                    continue
-            else:
-                t += backward + (weight if kind == BACKWARD else 0.0)
-                if kind == BACKWARD_INPUT:
-                    deliver(3 * size + at, t)
-                if stage == 0:
-                    continue
-                target, key = stage - 1, size + at - m  # the previous stage's gradient input
-            if owner[target] == rank:
-                deliver(key, t)
-                continue
-            send = stages[min(stage, target)][3]
-            deliver(key, t + send)
-            if not async_p2p:
-                t += send
+                if arrived > t:
+                    t = arrived
+            t += durations[code[index + 1]]
+            done = code[index + 4]  # a local input the action makes (last forward done, I done)
+            if done >= 0:
+                ready[done] = t
+                if parked[done] >= 0:
+                    todo.append(parked[done])
+                    parked[done] = -1
+            out = code[index + 2]
+            if out >= 0:
+                sent = code[index + 3]
+                arrives = t
+                if sent >= 0:
+                    arrives = t + sends[sent]
+                    if not async_p2p:
+                        t = arrives
+                ready[out] = arrives
+                if parked[out] >= 0:
+                    todo.append(parked[out])
+                    parked[out] = -1
+            index += 5
         cursor[rank], free[rank] = index, t
-    if any(cursor[r] < len(orders[r]) for r in range(pp)):
+    if any(cursor[r] < len(program[r]) for r in range(pp)):
         raise RuntimeError(f"schedule {schedule} deadlocks")
     return max(free)
+
+
+@lru_cache(maxsize=32)
+def _walk_program(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> tuple[list[list[int]], int]:
+    """Each rank's order as groups of 5 ints: (input key or -1, index into the (F, B, B+W, W) durations,
+    output key or -1, stage whose send time the output pays or -1 when it stays on the rank, local key the
+    action completes or -1); and the number of keys. Keys: activation inputs [0, size), gradient inputs
+    [size, 2 size), the last stage's forward done [2 size, 3 size), input gradient done [3 size, 4 size)."""
+    orders = rank_orders(schedule, pp, virtual_stages, micro_batches)
+    owner = order_owners(orders)
+    m = micro_batches
+    last = max(owner)
+    size = (last + 1) * m
+    programs = []
+    for rank, actions in enumerate(orders):
+        code: list[int] = []
+        for kind, stage, micro_batch in actions:
+            at = stage * m + micro_batch
+            if kind == FORWARD:
+                needs = -1 if stage == 0 else at
+                if stage == last:
+                    code += (needs, 4 * stage, -1, -1, 2 * size + at)
+                else:
+                    code += (needs, 4 * stage, at + m, -1 if owner[stage + 1] == rank else stage, -1)
+            elif kind == BACKWARD_WEIGHT:
+                code += (3 * size + at, 4 * stage + 3, -1, -1, -1)
+            else:
+                needs = 2 * size + at if stage == last else size + at
+                slot = 4 * stage + (2 if kind == BACKWARD else 1)
+                done = 3 * size + at if kind == BACKWARD_INPUT else -1
+                out, sent = (-1, -1) if stage == 0 else \
+                    (size + at - m, -1 if owner[stage - 1] == rank else stage - 1)
+                code += (needs, slot, out, sent, done)
+        programs.append(code)
+    return programs, 4 * size
 
 
 WALK_SCHEDULES = ("interleaved-1f1b", "zbv")  # several chunks per rank: equal chunks is what the closed form assumes
