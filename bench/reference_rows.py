@@ -3,8 +3,13 @@
 TorchTitan (benchmarks/llama3_h100_202412_torchtitan.md, Tables 1-6): Llama 3.1 on 96 GB H100s at 500 W
 (`H100-96GB`), predicted with the `torchtitan` stack, switched per row to what the row ran: eager or
 torch.compile (`fused_elementwise`), async TP or not (`overlap_tp_comm`), Float8 (`--dtype fp8`). FSDP2 is
-ZeRO-3; with pp the micro-batch is one sequence. Its memory column is the allocator's peak reading, which
-the CUDA context (the stack's `reserved_bytes`) is not part of.
+ZeRO-3. With pp a data-parallel rank's local batch is split into pp micro-batches: the benchmark ran
+TorchTitan 9dec370 (its versions table), whose pipeline_llama.py builds the schedule with
+`job_config.experimental.pipeline_parallel_microbatches or parallel_dims.pp` micro-batches (config help: "The
+default value will be the number of pipeline stages, if unspecified"), and train_configs/llama3_405b.toml
+sets no count. So Table 5 (local batch 32) runs 8 micro-batches of 4 sequences, Table 6 (local batch 8) 8 of
+one; the throughput agrees (1F1B's (p-1)/m bubble is 7/8, not 7/32). Its memory column is the allocator's
+peak reading, which the CUDA context (the stack's `reserved_bytes`) is not part of.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ def torchtitan_plan(row: dict) -> tuple[Plan, object]:
                       dtype="fp8" if row["float8"] == "yes" else "bf16")
     schedule = row["schedule"] or "1f1b"
     plan = Plan(model=model, cluster=parse_cluster(f"{max(1, gpus // 8)}x{min(8, gpus)}xH100-96GB"), train=train,
-                dp=fsdp, tp=tp, pp=pp, cp=cp, zero=3, micro_batch=1 if pp > 1 else int(row["local_batch"]),
+                dp=fsdp, tp=tp, pp=pp, cp=cp, zero=3, micro_batch=int(row["local_batch"]) // pp,  # pp micro-batches
                 schedule=schedule, virtual_stages=2 if schedule == "interleaved-1f1b" else 1,
                 recompute=row["activation_checkpoint"], sequence_parallel=tp > 1)
     stack = replace(STACKS["torchtitan"], overlap_tp_comm=row["async_tp"] == "yes",

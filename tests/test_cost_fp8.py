@@ -53,9 +53,14 @@ def test_fp8_casts_cost_time_and_the_all_gather_moves_one_byte() -> None:
 
 def test_fp8_weight_copies_take_memory() -> None:
     stack = STACKS["torchtitan"]
-    bf16, fp8 = estimate(_plan("bf16"), stack).memory, estimate(_plan("fp8"), stack).memory
+    no_gather = replace(stack, features=replace(stack.features, fp8_all_gather=False))
     layer = PRESETS["llama3-8b"].params_per_layer()
+    # Gathered in bf16 (this layer and the next, 2 bytes each), the computing layer adds its FP8 copy and
+    # transpose; gathered already in FP8 (torchao's all-gather) the two layers take 1 byte each, plus a transpose.
+    bf16, fp8 = estimate(_plan("bf16"), no_gather).memory, estimate(_plan("fp8"), no_gather).memory
     assert fp8.transient - bf16.transient == pytest.approx(2 * layer, rel=1e-6)
+    bf16, fp8 = estimate(_plan("bf16"), stack).memory, estimate(_plan("fp8"), stack).memory
+    assert fp8.transient - bf16.transient == pytest.approx(-layer, rel=1e-6)
 
 
 def test_optimizer_temporaries_set_the_peak_when_activations_are_small() -> None:

@@ -197,9 +197,14 @@ def _step_costs(layout: Layout, stack: SoftwareStack, headroom: float, detail: b
         dp_exposed += (held_walked - walked.total) - (held - pipe.total)
         pipe = walked
         step = pipe.total + dp_exposed + optimizer
-    layer_weights = 2 * sum(stage_params(layout, 1, False, False)) * e if layout.zero == 3 else 0.0  # this + next
-    if layout.train.dtype == "fp8":  # the computing layer's FP8 weight copy and its transpose (1 byte each)
-        layer_weights += 2 * sum(stage_params(layout, 1, False, False))
+    # FSDP2 with torchao's FP8 all-gather gathers the block weights already cast: the unsharded weight FSDP2
+    # holds is that FP8 tensor (fsdp_post_all_gather wraps the gathered bytes), 1 byte per element.
+    fp8_gathered = layout.train.dtype == "fp8" and stack.features.fp8_all_gather and layout.zero == 3
+    gathered_bytes = 1 if fp8_gathered else e
+    layer_params = sum(stage_params(layout, 1, False, False))
+    layer_weights = 2 * layer_params * gathered_bytes if layout.zero == 3 else 0.0  # this + next
+    if layout.train.dtype == "fp8":  # the computing layer's FP8 weight copy (unless gathered so) and its transpose
+        layer_weights += layer_params * (1 if fp8_gathered else 2)
 
     states: dict[int, list[float]] = {}
 
@@ -214,7 +219,10 @@ def _step_costs(layout: Layout, stack: SoftwareStack, headroom: float, detail: b
         chunks = in_flight_chunks(layout.schedule, p, layout.virtual_stages, m_batches, r)
         parts.append(chunks * group.activation / group.chunks)
         # ZeRO-3 holds the layers being gathered, or, kept gathered between passes, all of the rank's.
-        gathered = (group.dense + group.expert) * e if sync.keeps_gathered else layer_weights
+        gathered = layer_weights
+        if sync.keeps_gathered:  # the blocks at gathered_bytes, the embedding, head and final norm in bf16
+            blocks = sum(stage_params(layout, group.layers, False, False))
+            gathered = blocks * gathered_bytes + (group.dense + group.expert - blocks) * e
         working = costs_of[id(group.env)].transient + gathered + (logits if group.last else 0.0)
         if stack.pipeline_keeps_outputs and p > 1:  # receive buffers: input and output gradient, per micro-batch
             hops = 2 * group.chunks - (1 if group.first else 0) - (1 if group.last else 0)
