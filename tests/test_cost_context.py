@@ -13,11 +13,11 @@ from dataclasses import replace
 import pytest
 
 from fivefold.cost import estimate
-from fivefold.cost.comm import all_gather_time, all_to_all_time, topology_of
+from fivefold.cost.comm import all_gather_time, all_to_all_time, p2p_time, topology_of
 from fivefold.cost.compute import Device, flash_attention_time
 from fivefold.cost.context import context_parallel_comm, context_parallel_kept_bytes
 from fivefold.cost.layer import LayerShape
-from fivefold.cost.memory import layer_activation_bytes
+from fivefold.cost.memory import layer_activation_bytes, layer_transient_bytes
 from fivefold.planner import Choices, search
 from fivefold.planner.search import NoFeasiblePlan
 from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
@@ -81,6 +81,31 @@ def test_cp_divides_activation_memory_and_allgather_keeps_the_gathered_kv():
     assert kept == 2 * (32768 * 3 // 4) * 1024 * 2
     assert layer_activation_bytes(shape(4), False, "flash", 2) == pytest.approx(one / 4 + kept)
     assert layer_activation_bytes(shape(4, "ulysses"), False, "flash", 2) == pytest.approx(one / 4)
+
+
+def test_torch_ring_cp_moves_heads_wide_kv_and_rotates_fp32_grads_in_backward():
+    """TorchTitan's Llama repeats K/V to every query head before SDPA, and torch's experimental CP backward
+    all-gathers K/V again, then passes the fp32 dK/dV around the ring, one hop per step (cost/context.py)."""
+    across = link("8x8xH100-SXM", [0, 8, 16, 24, 32, 40, 48, 56])  # one rank per node, as under tp 8
+    heads_bytes = 2 * SEQ * 32 * 128 * 2  # K and V repeated to the 32 query heads, bf16
+    forward, backward = context_parallel_comm(LLAMA8B, SEQ, 1, 1, "allgather", across, 2, 0.0, 0.0, True, True)
+    assert forward == pytest.approx(all_gather_time(heads_bytes, across))
+    hop = p2p_time(2 * SEQ // 8 * 32 * 128 * 4, across)  # one chunk's dK and dV in fp32
+    assert backward == pytest.approx(forward + 8 * hop)
+    # Each hop hides under the next ring step's attention backward (1/cp of it); the last hides under nothing.
+    _, hidden = context_parallel_comm(LLAMA8B, SEQ, 1, 1, "allgather", across, 2, 1.0, 8.0, True, True)
+    assert hidden == pytest.approx(hop)
+
+
+def test_a_cp_backward_that_gathers_again_keeps_no_kv_but_holds_it_while_attention_runs():
+    shape = LayerShape(LLAMA8B, 32768, 1, 1, 4, 1, False, "none", cp_method="allgather")
+    gathered = context_parallel_kept_bytes(LLAMA8B, 32768, 1, 4, "allgather", 2, repeated_kv=True)
+    assert gathered == 4 * context_parallel_kept_bytes(LLAMA8B, 32768, 1, 4, "allgather", 2)  # 32 heads, not 8
+    kept = layer_activation_bytes(shape, False, "flash", 2, cp_repeats_kv=True)
+    assert layer_activation_bytes(shape, False, "flash", 2, cp_repeats_kv=True, cp_regathers=True) == \
+        pytest.approx(kept - gathered)
+    assert layer_transient_bytes(shape, False, "flash", 2, True, True) == pytest.approx(gathered)
+    assert layer_transient_bytes(shape, False, "flash", 2) == 0.0
 
 
 def test_planner_finds_a_long_context_plan_that_only_fits_with_cp():

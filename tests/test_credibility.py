@@ -120,3 +120,17 @@ def test_estimate_and_plan_show_band_and_extrapolation(capsys) -> None:
     out = capsys.readouterr().out
     assert "#1 note: extrapolating:" in out and f"+-{ERROR_BANDS[('torchtitan', 'H100')]:.0%}" in out
     assert "MFU is of the BF16 peak (GEMMs in FP8)" in out
+
+
+def test_torchtitan_pipeline_rows_split_the_local_batch_into_pp_micro_batches() -> None:
+    """TorchTitan 9dec370 (the benchmark's version) runs `pipeline_parallel_microbatches or pp` micro-batches:
+    Table 5's local batch of 32 on pp 8 is 8 micro-batches of 4 sequences, Table 6's 8 is 8 of one."""
+    from reference_rows import torchtitan_plan
+
+    row = {"model": "llama3.1-405b", "gpus": "512", "fsdp": "8", "tp": "8", "pp": "8", "cp": "1", "seq_len": "8192",
+           "local_batch": "32", "global_batch": "256", "schedule": "1f1b", "activation_checkpoint": "full",
+           "compile": "yes", "float8": "yes", "async_tp": "yes"}
+    plan, _ = torchtitan_plan(row)
+    assert (plan.micro_batch, plan.num_micro_batches) == (4, 8)
+    plan, _ = torchtitan_plan({**row, "seq_len": "32768", "local_batch": "8", "global_batch": "64"})
+    assert (plan.micro_batch, plan.num_micro_batches) == (1, 8)

@@ -18,23 +18,35 @@ slowest link among the group's ranks: NVLink inside a node, the NIC as soon as t
   backward (their gradients), each rank sending its b*s/cp tokens' slice; nothing to overlap, since
   attention needs every head shard first. Its volume per rank does not grow with cp; allgather's does.
 
+torch's experimental CP (torch/distributed/tensor/experimental/_attention.py of late 2024, which TorchTitan
+ran; the stack's `cp_ring_backward`) does the all-gather form forward (rotate method "allgather": one
+all-gather issued before the local causal step, waited before the second), but keeps no gathered K/V: the
+backward all-gathers them again (under the first step's attention backward) and passes the dK/dV
+accumulators around the ring in fp32 (its convert_to_f32 option, on by default), one send to the next rank
+per ring step, cp in all (permute_tensor); each hides under the next step's attention backward (1/cp of it),
+the last one under nothing. A model that repeats K/V to every query head before attention (TorchTitan's
+Llama calls repeat_kv before F.scaled_dot_product_attention; the stack's `cp_repeats_kv`) moves K/V
+heads wide, not kv_heads wide.
+
 Memory: allgather keeps the gathered K and V (the other ranks' (cp-1)/cp share) for the attention backward,
 per layer; ulysses keeps head-sharded Q, K, V, the same size as the local ones it replaces.
 """
 
 from __future__ import annotations
 
-from fivefold.cost.comm import GroupLink, all_gather_time, all_to_all_time, reduce_scatter_time
+from fivefold.cost.comm import GroupLink, all_gather_time, all_to_all_time, p2p_time, reduce_scatter_time
 
 
 def context_parallel_comm(model, seq_len: int, micro_batch: int, tp: int, method: str, link: GroupLink,
-                          element_bytes: int, attention_forward: float, attention_backward: float
-                          ) -> tuple[float, float]:
-    """Exposed (forward, backward) seconds of one layer's CP communication for one micro-batch."""
+                          element_bytes: int, attention_forward: float, attention_backward: float,
+                          repeated_kv: bool = False, ring_backward: bool = False) -> tuple[float, float]:
+    """Exposed (forward, backward) seconds of one layer's CP communication for one micro-batch.
+    `repeated_kv`: K/V are repeated to every query head before attention; `ring_backward`: torch's
+    experimental CP backward (a second all-gather, then dK/dV passed around the ring in fp32)."""
     cp = link.size
     if cp <= 1:
         return 0.0, 0.0
-    kv_width = model.kv_heads * model.head_dim // tp
+    kv_width = (model.heads if repeated_kv else model.kv_heads) * model.head_dim // tp
     if method == "ulysses":
         local_tokens = micro_batch * seq_len // cp
         q_bytes = local_tokens * model.heads * model.head_dim // tp * element_bytes
@@ -42,15 +54,22 @@ def context_parallel_comm(model, seq_len: int, micro_batch: int, tp: int, method
         seconds = 2 * all_to_all_time(q_bytes, link) + 2 * all_to_all_time(kv_bytes, link)  # q, out; k, v
         return seconds, seconds
     full_kv = 2 * micro_batch * seq_len * kv_width * element_bytes
-    gather, scatter = all_gather_time(full_kv, link), reduce_scatter_time(full_kv, link)
+    gather = all_gather_time(full_kv, link)
+    if ring_backward:
+        step_backward = attention_backward / cp  # one ring step's attention backward
+        hop = p2p_time(2 * micro_batch * seq_len // cp * kv_width * 4, link)  # the fp32 dK, dV of one chunk
+        backward = max(0.0, gather - step_backward) + (cp - 1) * max(0.0, hop - step_backward) + hop
+        return max(0.0, gather - attention_forward / cp), backward
+    scatter = reduce_scatter_time(full_kv, link)
     return max(0.0, gather - attention_forward / cp), max(0.0, scatter - attention_backward / cp)
 
 
 def context_parallel_kept_bytes(model, seq_len: int, micro_batch: int, cp: int, method: str,
-                                element_bytes: int) -> float:
-    """Bytes one layer keeps for backward because of CP, before the TP split (one micro-batch, one rank)."""
+                                element_bytes: int, repeated_kv: bool = False) -> float:
+    """Bytes of the other ranks' K/V one layer gathers, before the TP split (one micro-batch, one rank): kept
+    for backward, or (torch's CP, which gathers again in backward) held while attention runs."""
     if cp <= 1 or method == "ulysses":
         return 0.0
     others = micro_batch * (seq_len - seq_len // cp)
-    return 2 * others * model.kv_heads * model.head_dim * element_bytes
+    return 2 * others * (model.heads if repeated_kv else model.kv_heads) * model.head_dim * element_bytes
 

@@ -236,7 +236,8 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
         # Selective recompute adds nothing here: FlashAttention's backward recomputes the scores itself.
         if cp_link.size > 1:  # K/V all-gather or Ulysses all-to-alls, partly under attention (cost/context.py)
             work.collective("cp", *context_parallel_comm(m, shape.seq_len, b, t, shape.cp_method, cp_link, e,
-                                                         work.forward - before, work.backward_input - before_back))
+                                                         work.forward - before, work.backward_input - before_back,
+                                                         stack.cp_repeats_kv, stack.cp_ring_backward))
     else:
         # Materialized scores (Megatron-LM before FlashAttention): Q K^T, fused scale-mask-softmax,
         # dropout, P V, each writing or reading the b * heads * s * s score tensor.

@@ -216,8 +216,9 @@ def layer_costs(layout: Layout, env: RankEnv, stack: SoftwareStack) -> LayerCost
         layer_cost(shape, device, stack, env.tp, env.cp, env.ep), embedding_cost(shape, device, stack, env.tp),
         head_cost(shape, device, stack, env.tp),
         layer_activation_bytes(shape, dropout, stack.attention, device.element_bytes, stack.selective_saves_ops,
-                               stack.selective_saves_every_matmul),
-        layer_transient_bytes(shape, dropout, stack.attention, device.element_bytes)))
+                               stack.selective_saves_every_matmul, stack.cp_repeats_kv, stack.cp_ring_backward),
+        layer_transient_bytes(shape, dropout, stack.attention, device.element_bytes, stack.cp_repeats_kv,
+                              stack.cp_ring_backward)))
 
 
 def layer_work(layout: Layout, stack: SoftwareStack) -> tuple[PassCost, PassCost, PassCost]:

@@ -84,10 +84,13 @@ def every_matmul_selective_bytes(shape: LayerShape, element_bytes: int) -> float
 
 
 def layer_activation_bytes(shape: LayerShape, dropout: bool, attention: str, element_bytes: int,
-                           selective_ops: bool = False, every_matmul: bool = False) -> float:
+                           selective_ops: bool = False, every_matmul: bool = False, cp_repeats_kv: bool = False,
+                           cp_regathers: bool = False) -> float:
     """Bytes one layer keeps from forward to backward for one micro-batch on one rank. `selective_ops`:
     selective recompute at op level (TorchTitan): the layer input, every other matmul output and the
-    attention output (with its log-sum-exp) are kept, everything else is recomputed."""
+    attention output (with its log-sum-exp) are kept, everything else is recomputed. `cp_repeats_kv`: the
+    gathered K/V are heads wide; `cp_regathers`: the CP backward gathers them again, so none are kept
+    (cost/context.py)."""
     m, e, t = shape.model, element_bytes, shape.tp
     tokens = shape.micro_batch * shape.seq_len // shape.cp
     h = m.hidden
@@ -116,17 +119,24 @@ def layer_activation_bytes(shape: LayerShape, dropout: bool, attention: str, ele
         sharded += shape.micro_batch * m.heads * (shape.seq_len // shape.cp) * shape.seq_len * (e + mask * (1 + e))
     elif attention == "flash":
         sharded += tokens * m.heads * 4  # fp32 log-sum-exp per query row
-    kept = context_parallel_kept_bytes(m, shape.seq_len, shape.micro_batch, shape.cp, shape.cp_method, e)
+    kept = 0.0 if cp_regathers else context_parallel_kept_bytes(m, shape.seq_len, shape.micro_batch, shape.cp,
+                                                                 shape.cp_method, e, cp_repeats_kv)
     return replicated * replicated_share + (sharded + kept) / t
 
 
-def layer_transient_bytes(shape: LayerShape, dropout: bool, attention: str, element_bytes: int) -> float:
-    """Extra memory while one layer runs backward: under full recompute its activations come back."""
+def layer_transient_bytes(shape: LayerShape, dropout: bool, attention: str, element_bytes: int,
+                          cp_repeats_kv: bool = False, cp_regathers: bool = False) -> float:
+    """Extra memory while one layer runs backward: under full recompute its activations come back (with the
+    gathered K/V); a CP backward that gathers K/V again holds them whatever the recompute."""
     if shape.recompute != "full":
-        return 0.0
+        if not cp_regathers:
+            return 0.0
+        return context_parallel_kept_bytes(shape.model, shape.seq_len, shape.micro_batch, shape.cp, shape.cp_method,
+                                           element_bytes, cp_repeats_kv) / shape.tp
     from dataclasses import replace
 
-    return layer_activation_bytes(replace(shape, recompute="none"), dropout, attention, element_bytes)
+    return layer_activation_bytes(replace(shape, recompute="none"), dropout, attention, element_bytes,
+                                  cp_repeats_kv=cp_repeats_kv)
 
 
 def in_flight_chunks(schedule: str, pp: int, virtual_stages: int, micro_batches: int, pp_rank: int) -> float:

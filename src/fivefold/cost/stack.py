@@ -96,6 +96,10 @@ class SoftwareStack:
     compiled_blocks: bool = False  # torch.compile per transformer block (`fivefold train --compile`): on a
     #                                profiled CPU a block dispatches COMPILED_BLOCK_OPS instead of its eager ops,
     #                                and its element-wise ops are fused (no unfused traffic)
+    cp_repeats_kv: bool = False  # the model repeats K/V to every query head before attention (TorchTitan's
+    #                              Llama: repeat_kv, then F.scaled_dot_product_attention): CP moves heads-wide K/V
+    cp_ring_backward: bool = False  # torch's experimental CP (late 2024): the backward gathers K/V again and passes
+    #                                 dK/dV around the ring in fp32, one hop per ring step (cost/context.py)
     features: Features = Features()  # what the software can run at all
 
     def uses_dropout(self, model: ModelSpec) -> bool:
@@ -158,6 +162,7 @@ STACKS: dict[str, SoftwareStack] = {
                                 selective_saves_ops=True, loss_fp32_copies=2, loss_parallel_fp32_copies=1,
                                 pipeline_keeps_outputs=True, optimizer_temporary_bytes=4.0,
                                 logits_fp32_output=True, sdpa_flash2=True, allocator_slack=0.25,
+                                cp_repeats_kv=True, cp_ring_backward=True,
                                 features=Features(parallelisms=("dp", "tp", "pp", "cp"), zero_levels=(0, 2, 3),
                                                   schedules=("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"),
                                                   gradient_accumulation=False,
