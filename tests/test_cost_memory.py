@@ -21,6 +21,14 @@ def test_fp32_training_keeps_no_master_copy():
     assert zero_model_state_bytes(1e9, "fp32", 0, 1) == (4e9, 4e9, 8e9)
 
 
+def test_fsdp2_shards_are_the_fp32_master_weights():
+    """FSDP2 (a stack that names its whole-gradient bytes) keeps the fp32 weight as the ZeRO-3 shard and
+    reduces gradients in fp32: 4 + 4 + 8 per parameter over N, the paper's 16 / N; with the gradients
+    accumulated whole under pp, 12 / N and 4 per parameter."""
+    assert zero_model_state_bytes(1e9, "bf16", 3, 8, True, 4) == (4e9 / 8, 4e9 / 8, 8e9 / 8)
+    assert zero_model_state_bytes(1e9, "bf16", 3, 8, False, 4) == (4e9 / 8, 4e9, 8e9 / 8)
+
+
 def test_korthikanti_formulas_by_hand():
     s, b, h, a, t = 2048, 1, 12288, 96, 8
     sbh = s * b * h

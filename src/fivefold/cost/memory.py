@@ -34,11 +34,18 @@ def zero_model_state_bytes(num_params: float, dtype: str, zero: int, shard: int,
 
     `grads_sharded=False`: ZeRO-2/3 gradients still accumulate whole, because the software reduces them
     only once per step (torch.distributed.pipelining turns gradient sync off until the last backward);
-    `unsharded_grad_bytes` then gives their bytes per element (FSDP2 accumulates them in its reduce dtype)."""
+    `unsharded_grad_bytes` then gives their bytes per element (FSDP2 accumulates them in its reduce dtype).
+
+    A stack that gives `unsharded_grad_bytes` is FSDP2: at ZeRO-3 its sharded parameter is the fp32 master
+    weight itself (MixedPrecisionPolicy casts only the gathered copy to bf16; TorchTitan builds the model in
+    fp32), so a shard holds 4 bytes of weights and 8 of Adam state, and its reduced gradient shard is in the
+    reduce dtype: 4 + 4 + 8 = 16 / N as ZeRO counts, but with whole gradients (pp) 12 / N + those."""
     if dtype == "fp32":
         weights, grads, optimizer = 4.0, 4.0, 8.0
     else:
         weights, grads, optimizer = 2.0, 2.0, 12.0
+        if zero >= 3 and unsharded_grad_bytes:
+            weights, grads, optimizer = 4.0, float(unsharded_grad_bytes), 8.0
     if zero >= 1:
         optimizer /= shard
     if zero >= 2 and grads_sharded:
