@@ -39,7 +39,7 @@ def plan_of(row: dict, cp_method: str = "allgather") -> Plan:
     cluster = parse_cluster(f"{nodes}x{min(gpus, 8)}xH100-96GB:nic={int(min(gpus, 8) * 400)}Gb/s")
     train = TrainSpec(seq_len=seq, global_batch=int(row["global_batch"]),
                       dtype="fp8" if row["float8"] == "yes" else "bf16")
-    micro_batch = 1 if pp > 1 else int(row["local_batch"])
+    micro_batch = int(row["local_batch"]) // pp  # pp micro-batches (bench/reference_rows.py)
     return Plan(model=model, cluster=cluster, train=train, dp=int(row["fsdp"]), tp=tp, pp=pp, cp=cp,
                 cp_method=cp_method, zero=3, micro_batch=micro_batch, schedule=row["schedule"] or "1f1b",
                 recompute=row["activation_checkpoint"], sequence_parallel=tp > 1)
