@@ -344,7 +344,14 @@ def head_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link: 
     # Cross-entropy in fp32: upcast, max, exp-sum, log-softmax (forward); softmax minus one-hot (backward).
     # Vocab-parallel cross-entropy is a chain of small kernels (max, shift, target masking and gather,
     # exp, sum, log, loss masking and averaging): ~18 forward, ~8 backward.
-    work.elementwise(device, tokens * vocab * (e + 4 + 4), tokens * vocab * (4 + e), 18, 8)
+    forward_bytes, backward_bytes = e + 4 + 4, 4 + e  # one fused pass each way
+    if stack.unfused_cross_entropy:
+        # Megatron's _VocabParallelCrossEntropy (tensor_parallel/cross_entropy.py, 2021-2024; its fused
+        # kernel is opt-in): logits.float() (read e, write 4), max (read 4), in-place shift (8), in-place
+        # exp (8), sum (4), in-place division into the softmax kept for backward (8); backward multiplies
+        # the softmax by the loss gradient in place (8) and casts it back to the logits' dtype (4 + e).
+        forward_bytes, backward_bytes = e + 36, 12 + e
+    work.elementwise(device, tokens * vocab * forward_bytes, tokens * vocab * backward_bytes, 18, 8)
     if tp_link.size > 1:
         work.collective("tp", 3 * all_reduce_time(tokens * 4, tp_link), 0.0)  # max, sum, target logit
         if not shape.sequence_parallel:

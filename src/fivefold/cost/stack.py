@@ -89,6 +89,8 @@ class SoftwareStack:
     #                                   `self.output(h).float()`): the output torch pipelining keeps is that tensor
     sdpa_flash2: bool = False  # attention through PyTorch SDPA's FlashAttention-2 (slower on Hopper than the
     #                            FA3 / cuDNN kernels Transformer Engine uses)
+    unfused_cross_entropy: bool = False  # Megatron's vocab_parallel_cross_entropy (no --cross-entropy-loss-fusion):
+    #                                    torch ops that each pass over the fp32 logits (layer.head_cost)
     loss_parallel_fp32_copies: int = 0  # with tp > 1, extra fp32 logit-sized tensors of DTensor's loss parallel
     #                                    (its log-softmax materializes x - max and exp(x - max))
     fused_elementwise: bool = True  # norms, RoPE, SwiGLU run as fused kernels (TE, Megatron, torch.compile);
@@ -118,7 +120,7 @@ STACKS: dict[str, SoftwareStack] = {
     "modern": SoftwareStack(features=Features(fp8=True, fp8_all_gather=True, built_on="any current framework")),
     # Megatron-Core with Transformer Engine as NVIDIA benchmarks it: TP communication overlapped with
     # GEMMs, distributed optimizer with overlapped gradient reduce and parameter gather.
-    "megatron-core": SoftwareStack(name="megatron-core", overlap_tp_comm=True, features=Features(
+    "megatron-core": SoftwareStack(name="megatron-core", overlap_tp_comm=True, unfused_cross_entropy=True, features=Features(
         schedules=("1f1b", "interleaved-1f1b"), zero_levels=(0, 1), cp_methods=("allgather", "ulysses"),
         fp8=True, built_on="Megatron-Core + Transformer Engine, distributed optimizer")),
     # Megatron-LM of 2021-22 (the vTrain measurements): no FlashAttention (scores materialized, fused
@@ -127,6 +129,7 @@ STACKS: dict[str, SoftwareStack] = {
     "megatron-lm-2022": SoftwareStack(name="megatron-lm-2022", attention="unfused", overlap_grad_reduce=False,
                                       overlap_param_gather=False, async_p2p=False,
                                       host_seconds_per_kernel=50e-6, host_serialization=0.1,
+                                      unfused_cross_entropy=True,
                                       features=Features(parallelisms=("dp", "tp", "pp"),
                                                         schedules=("1f1b", "interleaved-1f1b"),
                                                         zero_levels=(0, 1), cp_methods=(), fp8=False,
