@@ -263,11 +263,20 @@ def markdown(vtrain: list[tuple[str, dict]], core: list[dict], bubble: list[dict
     lines += ["", f"Mean absolute error {statistics.fmean(errors):.1%}. The interleaved rows reduce each model "
               "chunk's gradients after that chunk's last backward, under the rest of the cooldown (as "
               "Megatron-Core's distributed optimizer does), which hides most of their ZeRO-1 reduction; what "
-              "slows the measured pp >= 4 rows by a further 5-10% is not in the model. Issue 17's target (every "
-              "row within 10%) is not met: the two small models (tp 1-2, vocabulary 131072) run 15-25% slower "
-              "than predicted and the 32B (tp8, pp1, 4 micro-batches) 20% faster, where the model exposes most "
-              "of a fp32 reduce-scatter over 48 nodes; neither a larger per-kernel CPU cost nor any other "
-              "stack-level term moved them without a per-row fit.", "",
+              "slows the measured pp >= 4 rows by a further 5-10% is not in the model. The loss is Megatron's "
+              "unfused vocab-parallel cross-entropy (tensor_parallel/cross_entropy.py; the fused kernel is opt-in), "
+              "whose torch ops pass over the fp32 logits 9 times forward and 3 backward: with 131072 logits per "
+              "token at tp 1-2 that is 7-10% of the small models' step (1.7B +25% -> +15%, 7.1B +15% -> +12%). "
+              "Issue 17's target (every row within 10%) is not met: the two small models (tp 1-2) still run "
+              "12-16% slower than predicted and the 32B (tp8, pp1, 4 micro-batches) 20% faster, where the model "
+              "exposes most of a fp32 reduce-scatter over 48 nodes (one GPU per node per data-parallel group: "
+              "16 GB at the NIC's 50 GB/s, of which only the last micro-batch's backward can hide ~130 ms). The "
+              "micro-batch size is not stated either: with 2-4 sequences per micro-batch (1-2 micro-batches) "
+              "the 32B's reduction hides under a longer last backward and it lands at +18%, but every other "
+              "row moves up too (1.7B +30%, 16B +14%), so the harness keeps micro-batch 1. The data-parallel "
+              "traffic of the small models is small (1.7B: 7 GB over 6 nodes rides 8 NICs per node, ~20 ms, "
+              "hidden), so a larger exposure does not explain them; neither a larger per-kernel CPU cost nor any "
+              "other stack-level term moved them without a per-row fit.", "",
               "### Zero Bubble pipelines on A100 (Qi et al. 2024, Tables 3-4; samples per GPU per second)", "",
               "Pure pipelines (pp = GPU count), layers split to balance stage time (the paper pads layer "
               "counts). The paper's runs keep the s x s attention scores (their reported 1F1B memory matches "
@@ -300,7 +309,11 @@ def markdown(vtrain: list[tuple[str, dict]], core: list[dict], bubble: list[dict
               "a multiple of pp, taking the padding out of the first and last chunks) gives every chunk one layer, "
               "with the embedding and the LM head alone in the first and last chunk, so its chunks are equal; the "
               "rows here use 2 chunks of 1 and 2 layers (1.5B, 14.6B), because a Plan stage holds at least one "
-              "transformer layer. The balanced rows (6.2B) agree with the other schedules (+3..+7%).", "",
+              "transformer layer. The balanced rows (6.2B) agree with the other schedules (+3..+7%). The loss's "
+              "unfused cross-entropy (Megatron's vocab-parallel one, which the paper's fork keeps) makes the last "
+              "chunk heavier: it improves 36 rows (6.4% -> 6.2%) and moves the six 1.5B two-chunk rows, whose "
+              "last chunk holds a layer with the LM head where the paper's holds the head alone, from -4..-16% to "
+              "-15..-24% (this table 7.0% -> 8.2%).", "",
               "### Cross-check: Korthikanti et al. 2022 (MFU, A100, SP + selective recompute)", "",
               "Not in the development set. The measured MFU values were transcribed by hand from the paper's "
               "end-to-end results table (check them against the paper before citing). Predicted with the "
