@@ -10,7 +10,8 @@ groups through the placement; per-layer costs are cached on everything they depe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+import itertools
+from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 from fivefold.cost.cache import IdentityCache
 from fivefold.cost.comm import SELF, GroupLink, Topology, all_reduce_time, topology_of
@@ -160,7 +161,8 @@ def _build_rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
             envs.append(envs[0])
             continue
         block = layout.pipeline_ranks(pp_rank)
-        groups = {topology.group_of[_device_index(layout, r)] for r in block}
+        # (one device group: no need to look up every rank of the block)
+        groups = {0} if len(cluster.groups) == 1 else {topology.group_of[_device_index(layout, r)] for r in block}
         paced = groups if pace is None else {topology.group_of[_device_index(layout, layout.rank_of(
             pp=pp_rank, dp=pace, cp=c, tp=t))] for c in range(layout.cp) for t in range(layout.tp)}
         slowest = min(paced, key=lambda g: (cluster.groups[g].device.flops(dtype), g))
@@ -171,22 +173,23 @@ def _build_rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
         def link(ranks: list[int]) -> GroupLink:
             return topology.group_link([_device_index(layout, r) for r in ranks])
 
-        def links_of(stride: int, members: int, starts: list[int]) -> GroupLink:
+        def links_of(stride: int, members: int, starts: Iterable[int]) -> GroupLink:
             """The slowest of the groups of `members` ranks `stride` apart that start at `starts`: every group
             of a dimension is costed on the links its ranks use (a tp6 group across two 8-GPU nodes
-            talks over the NIC although the first tp6 group sits inside one node)."""
+            talks over the NIC although the first tp6 group sits inside one node). `starts` is consumed
+            lazily: most groups need only their first start."""
             if members <= 1:
                 return SELF
-            if homogeneous and _congruent(stride, members, per_node):
-                starts = starts[:1]
-            return _slowest([link([start + i * stride for i in range(members)]) for start in starts[:GROUPS_CHECKED]])
+            looked_at = 1 if homogeneous and _congruent(stride, members, per_node) else GROUPS_CHECKED
+            return _slowest([link([start + i * stride for i in range(members)])
+                             for start in itertools.islice(starts, looked_at)])
 
         tp, cp, ep = layout.tp, layout.cp, layout.ep
-        tp_link = links_of(1, tp, [layout.rank_of(pp=pp_rank, dp=i, cp=j) for i in range(layout.dp)
-                                   for j in range(cp)])
-        cp_link = links_of(tp, cp, [layout.rank_of(pp=pp_rank, dp=i, tp=t) for i in range(layout.dp)
-                                    for t in range(tp)])
+        # the first rank of every tp group of this pipeline rank: one per (dp, cp) replica
         replicas = [layout.rank_of(pp=pp_rank, dp=i, cp=j) for i in range(layout.dp) for j in range(cp)]
+        tp_link = links_of(1, tp, replicas)
+        cp_link = links_of(tp, cp, (layout.rank_of(pp=pp_rank, dp=i, tp=t) for i in range(layout.dp)
+                                    for t in range(tp)))
         replica_links = [link([r + t for r in replicas]) for t in range(
             1 if homogeneous and _congruent(tp, len(replicas), per_node) else min(tp, GROUPS_CHECKED))]
         replica_link = _slowest(replica_links)
