@@ -36,7 +36,7 @@ less the headroom. What the stack does with gradients and weights is cost.stack.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, NamedTuple, Sequence
 
 from fivefold.cost.cache import IdentityCache
@@ -51,7 +51,7 @@ from fivefold.cost.layout import (Layout, LayerCosts, RankEnv, RankGroup, layer_
 from fivefold.cost.memory import RankMemory, in_flight_chunks, zero_model_state_bytes
 from fivefold.cost.pipeline import PipelineTime, pipeline_time, walked_pipelines
 from fivefold.cost.results import Estimate, Score, StageCost
-from fivefold.cost.stack import STACKS, SoftwareStack, data_parallel_sync, on_host_profiled_cpu
+from fivefold.cost.stack import STACKS, DataParallelSync, SoftwareStack, data_parallel_sync, on_host_profiled_cpu
 from fivefold.spec.plan import Plan
 
 
@@ -64,63 +64,87 @@ def estimate(plan: Plan, stack: SoftwareStack | None = None, headroom: float = 0
     return annotate(estimate_layout(Layout.of_plan(plan), stack, headroom, plan.describe()), plan, stack)
 
 
-@dataclass
-class _StepCosts:
-    """What Score and Estimate are made of (see _step_costs)."""
+class _RankGroups(NamedTuple):
+    """What the step time and the memory of a Layout are both built from (see _rank_groups)."""
 
-    groups: list[RankGroup]  # pipeline ranks that do identical work, in pipeline order of their first rank
+    stack: SoftwareStack  # the stack costed with (on profiled CPU ranks the stack's CPU variant)
+    topology: Topology
     envs: list[RankEnv]  # per pipeline rank
+    owners: Sequence[int]  # the pp rank of every virtual stage
+    first_ranks: list[int]  # the first device of every pp rank
+    hop_links: list[GroupLink]  # the distinct links between consecutive stages on different ranks
+    groups: list[RankGroup]  # pipeline ranks that do identical work, in pipeline order of their first rank
+    costs_of: dict[int, LayerCosts]  # by id() of a RankEnv
+    element_bytes: int
+    tokens: int  # per micro-batch on one rank
+    activation_message: float  # bytes of one activation sent between stages
+    embedding_activation: float  # the embedding output (and dropout mask) fed to layer 1
+    replica_shard: int  # ranks a dense parameter is sharded over under ZeRO
+    expert_shard: int  # ... an expert parameter
+    sync: DataParallelSync
+    unsharded_grad_bytes: float  # per parameter, when FSDP2 accumulates unsharded gradients (pp > 1)
+
+
+class _StepTime(NamedTuple):
     pipe: PipelineTime
     dp_comm_s: float
     dp_exposed_s: float
     optimizer_s: float
     step_s: float
     stages: list[StageCost]  # per virtual stage (detail only)
-    memory_parts: Callable[[RankGroup, int], list[float]]  # a group's memory on one of its ranks (RankMemory's)
+
+
+class _Memory(NamedTuple):
+    parts_of: Callable[[RankGroup, int], list[float]]  # a group's memory on one of its ranks (RankMemory's)
     peak_group: RankGroup  # the group whose first rank is fullest relative to its memory
     peak_parts: list[float]
     peak_ratio: float
     fits: bool
-    stack: SoftwareStack  # the stack costed with (on profiled CPU ranks the stack's CPU variant)
 
 
-def score_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0) -> Score:
-    """What the planner ranks by: the step time and the fullest rank's memory, without per-stage detail."""
-    costs = _step_costs(layout, stack, headroom, detail=False)
-    return Score(costs.step_s, sum(costs.peak_parts), costs.peak_ratio, costs.peak_group.ranks[0], costs.fits)
+def score_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0, time_if_overflowing: bool = True
+                 ) -> Score:
+    """What the planner ranks by: the step time and the fullest rank's memory, without per-stage detail.
+    With `time_if_overflowing` False a layout that does not fit is not timed (step_time_s is inf): the
+    planner needs only that from its leaner variants, and memory costs a fraction of the time."""
+    ranks = _rank_groups(layout, stack)
+    memory = _memory(layout, ranks, headroom)
+    step = _step_time(layout, ranks, detail=False).step_s if memory.fits or time_if_overflowing else float("inf")
+    return Score(step, sum(memory.peak_parts), memory.peak_ratio, memory.peak_group.ranks[0], memory.fits)
 
 
 def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0, describe: str = "") -> Estimate:
     """estimate() on a Layout: the step with per-stage costs, per-rank memory, MFU and the time breakdown."""
-    costs = _step_costs(layout, stack, headroom, detail=True)
-    p, m_batches, pipe, step = layout.pp, layout.num_micro_batches, costs.pipe, costs.step_s
-    group_of_rank = {r: g for g in costs.groups for r in g.ranks}
-    rank_memory = [RankMemory(*costs.memory_parts(group_of_rank[r], r)) for r in range(p)]
+    ranks = _rank_groups(layout, stack)
+    time, memory = _step_time(layout, ranks, detail=True), _memory(layout, ranks, headroom)
+    p, m_batches, pipe, step = layout.pp, layout.num_micro_batches, time.pipe, time.step_s
+    group_of_rank = {r: g for g in ranks.groups for r in g.ranks}
+    rank_memory = [RankMemory(*memory.parts_of(group_of_rank[r], r)) for r in range(p)]
     train, world = layout.train, layout.world_size
     model_flops = model_flops_per_step(layout.model, train)
     hardware_flops = hardware_flops_per_step(layout.model, train, layout.recompute)
-    peak_sum = sum(costs.envs[r].device.peak for r in range(p)) * (world // p)
-    slowest = max(costs.groups, key=lambda g: sum(g.work)).cost
+    peak_sum = sum(ranks.envs[r].device.peak for r in range(p)) * (world // p)
+    slowest = max(ranks.groups, key=lambda g: sum(g.work)).cost
     comm = {kind: m_batches * getattr(slowest, kind) for kind in ("tp_comm", "cp_comm", "ep_comm")}
     recompute = m_batches * slowest.recompute_compute
     host = m_batches * slowest.host_excess
     compute = pipe.busy - sum(comm.values()) - recompute - host
     breakdown = {"compute": compute, "recompute": recompute, **comm, "host_overhead": host, "pp_comm": pipe.p2p,
-                 "bubble": pipe.bubble, "dp_comm": costs.dp_exposed_s, "optimizer": costs.optimizer_s}
+                 "bubble": pipe.bubble, "dp_comm": time.dp_exposed_s, "optimizer": time.optimizer_s}
     return Estimate(
         describe=describe, world_size=world, micro_batches=m_batches, step_time_s=step,
         tokens_per_s=train.tokens_per_step / step, model_tflops_per_gpu=model_flops / step / world / 1e12,
         hardware_tflops_per_gpu=hardware_flops / step / world / 1e12, mfu=model_flops / (step * peak_sum),
-        bubble_fraction=pipe.bubble / step, fits=costs.fits, memory=RankMemory(*costs.peak_parts),
-        peak_pp_rank=costs.peak_group.ranks[0], capacity_bytes=costs.peak_group.env.capacity * (1 - headroom),
-        rank_memory=rank_memory, stage_costs=costs.stages, pipeline_s=pipe.total, bubble_s=pipe.bubble,
-        pp_comm_s=pipe.p2p, dp_comm_s=costs.dp_comm_s, dp_comm_exposed_s=costs.dp_exposed_s,
-        optimizer_s=costs.optimizer_s, breakdown_s=breakdown, stack=costs.stack.name)
+        bubble_fraction=pipe.bubble / step, fits=memory.fits, memory=RankMemory(*memory.peak_parts),
+        peak_pp_rank=memory.peak_group.ranks[0], capacity_bytes=memory.peak_group.env.capacity * (1 - headroom),
+        rank_memory=rank_memory, stage_costs=time.stages, pipeline_s=pipe.total, bubble_s=pipe.bubble,
+        pp_comm_s=pipe.p2p, dp_comm_s=time.dp_comm_s, dp_comm_exposed_s=time.dp_exposed_s,
+        optimizer_s=time.optimizer_s, breakdown_s=breakdown, stack=ranks.stack.name)
 
 
-def _step_costs(layout: Layout, stack: SoftwareStack, headroom: float, detail: bool) -> _StepCosts:
-    """The step of a Layout (the planner's unvalidated form of a Plan), as far as Score needs it; with
-    `detail` also per stage, and the pipeline walked through torch's orders where a rank's chunks differ.
+def _rank_groups(layout: Layout, stack: SoftwareStack) -> _RankGroups:
+    """The pipeline ranks of a Layout (the planner's unvalidated form of a Plan) in groups, with what their
+    time and memory share.
 
     Work, parameters and activations of a pipeline rank are linear in its layer count plus the
     embedding / LM head it may hold, so ranks with equal (layers, ends, device) form one group and are
@@ -132,7 +156,7 @@ def _step_costs(layout: Layout, stack: SoftwareStack, headroom: float, detail: b
         stack = on_host_profiled_cpu(stack)
         if stack.eager_host_costs and ddp_on_cpu(layout):  # DDP's bucketed all-reduce, not one per module
             stack = replace(stack, collective_per_module=False)
-    p, m_batches = layout.pp, layout.num_micro_batches
+    p = layout.pp
     e = 4 if layout.train.dtype == "fp32" else 2
     tokens = layout.micro_batch * layout.train.seq_len // layout.cp
     activation_message = tokens * layout.model.hidden * e / layout.tp  # SP shard, or Megatron scatter-gather
@@ -144,8 +168,6 @@ def _step_costs(layout: Layout, stack: SoftwareStack, headroom: float, detail: b
     owners = stage_owners(layout.schedule, p, layout.virtual_stages)
     block = layout.dp * layout.cp * layout.tp  # ranks per pipeline stage; rank_of(pp=r) = r * block
     first_ranks, hop_links, shapes = _pipeline_shape(layout, topology, envs, owners, block)
-    # The slowest activation transfer between consecutive stages on different ranks.
-    hop = max((p2p_time(activation_message, link) for link in hop_links), default=0.0)
 
     costs_of: dict[int, LayerCosts] = {}
     ordered = []
@@ -155,7 +177,21 @@ def _step_costs(layout: Layout, stack: SoftwareStack, headroom: float, detail: b
         group = RankGroup(layout, stack, env, costs_of[id(env)], layers, first, last, chunks, embedding_activation)
         group.ranks = ranks
         ordered.append(group)
+    # FSDP2 with gradient sync off (pp > 1) accumulates the unsharded gradients in its reduce dtype.
+    unsharded_grad_bytes = stack.gradient_bytes(layout.train.dtype) if stack.pipeline_defers_grad_sync else 0
+    return _RankGroups(stack, topology, envs, owners, first_ranks, hop_links, ordered, costs_of, e, tokens,
+                       activation_message, embedding_activation, replica_shard, expert_shard,
+                       data_parallel_sync(stack, layout.zero, p), unsharded_grad_bytes)
 
+
+def _step_time(layout: Layout, ranks: _RankGroups, detail: bool) -> _StepTime:
+    """The step time of the grouped ranks; with `detail` also per stage, and the pipeline walked through
+    torch's orders where a rank's chunks differ."""
+    stack, topology, ordered, first_ranks, owners = ranks.stack, ranks.topology, ranks.groups, ranks.first_ranks, \
+        ranks.owners
+    p, m_batches = layout.pp, layout.num_micro_batches
+    # The slowest activation transfer between consecutive stages on different ranks.
+    hop = max((p2p_time(ranks.activation_message, link) for link in ranks.hop_links), default=0.0)
     members = [g.ranks for g in ordered]
     pipe = pipeline_time(layout.schedule, p, layout.virtual_stages, m_batches, [g.work for g in ordered], hop,
                          stack.async_p2p, members)
@@ -168,26 +204,16 @@ def _step_costs(layout: Layout, stack: SoftwareStack, headroom: float, detail: b
     if stack.eager_host_costs and any(g.env.device.host is not None for g in ordered):
         if not ddp_on_cpu(layout):
             dp_exposed += max(fsdp_host_time(layout, stack, g.env, g.layers + g.chunks) for g in ordered)
-        dp_exposed += bookkeeping_time(layout, topology, envs[0], [first_ranks[r] for r in range(p)])
+        dp_exposed += bookkeeping_time(layout, topology, ranks.envs[0], [first_ranks[r] for r in range(p)])
     optimizer = max(optimizer_time(layout, g.env, g.dense, g.expert) + (optimizer_host_time(
         layout, g.env, parameter_tensors(layout.model, g.layers, g.first, g.last, g.first))
         if stack.eager_host_costs else 0.0) for g in ordered)
     step = pipe.total + dp_exposed + optimizer
-
-    # Memory: a group peaks on its first rank (the one with the most micro-batches in flight).
-    copies = stack.loss_fp32_copies + (stack.loss_parallel_fp32_copies if layout.tp > 1 else 0)
-    vocab_share = layout.model.vocab if stack.tp_gathers_logits else padded_vocab(layout.model.vocab, layout.tp) / layout.tp
-    logits = (4 * copies + e) * tokens * vocab_share
-    if stack.pipeline_keeps_outputs and stack.pipeline_returns_outputs and p > 1:  # logits kept to be returned
-        logits += (m_batches - 1) * kept_output_bytes(stack, e) * tokens * vocab_share
-    sync = data_parallel_sync(stack, layout.zero, p)
-    # FSDP2 with gradient sync off (pp > 1) accumulates the unsharded gradients in its reduce dtype.
-    unsharded_grad_bytes = stack.gradient_bytes(layout.train.dtype) if stack.pipeline_defers_grad_sync else 0
     stages: list[StageCost] = []
     if detail:  # per-stage costs; where a rank's chunks differ, the pipeline walks torch's orders
-        stages = _stage_list(layout, stack, envs, costs_of, owners, first_ranks, topology, activation_message,
-                             embedding_activation, replica_shard, expert_shard, sync.grads_sharded,
-                             unsharded_grad_bytes)
+        stages = _stage_list(layout, stack, ranks.envs, ranks.costs_of, owners, first_ranks, topology,
+                             ranks.activation_message, ranks.embedding_activation, ranks.replica_shard,
+                             ranks.expert_shard, ranks.sync.grads_sharded, ranks.unsharded_grad_bytes)
         held_by = {r: [h / w if w > 0 else 1.0 for h, w in zip(held_work, g.work)]
                    for g, held_work in zip(ordered, data.stretched) for r in g.ranks}
         walked, held_walked = walked_pipelines(
@@ -197,6 +223,20 @@ def _step_costs(layout: Layout, stack: SoftwareStack, headroom: float, detail: b
         dp_exposed += (held_walked - walked.total) - (held - pipe.total)
         pipe = walked
         step = pipe.total + dp_exposed + optimizer
+    return _StepTime(pipe, data.total, dp_exposed, optimizer, step, stages)
+
+
+def _memory(layout: Layout, ranks: _RankGroups, headroom: float) -> _Memory:
+    """Every group's memory, the fullest rank's and whether all fit: a group peaks on its first rank (the
+    one with the most micro-batches in flight)."""
+    stack, p, m_batches = ranks.stack, layout.pp, layout.num_micro_batches
+    e, tokens, sync, costs_of = ranks.element_bytes, ranks.tokens, ranks.sync, ranks.costs_of
+    activation_message = ranks.activation_message
+    copies = stack.loss_fp32_copies + (stack.loss_parallel_fp32_copies if layout.tp > 1 else 0)
+    vocab_share = layout.model.vocab if stack.tp_gathers_logits else padded_vocab(layout.model.vocab, layout.tp) / layout.tp
+    logits = (4 * copies + e) * tokens * vocab_share
+    if stack.pipeline_keeps_outputs and stack.pipeline_returns_outputs and p > 1:  # logits kept to be returned
+        logits += (m_batches - 1) * kept_output_bytes(stack, e) * tokens * vocab_share
     # FSDP2 with torchao's FP8 all-gather gathers the block weights already cast: the unsharded weight FSDP2
     # holds is that FP8 tensor (fsdp_post_all_gather wraps the gathered bytes), 1 byte per element.
     fp8_gathered = layout.train.dtype == "fp8" and stack.features.fp8_all_gather and layout.zero == 3
@@ -211,10 +251,10 @@ def _step_costs(layout: Layout, stack: SoftwareStack, headroom: float, detail: b
     def memory_parts(group: RankGroup, r: int) -> list[float]:
         if id(group) not in states:
             states[id(group)] = [a + b for a, b in zip(
-                zero_model_state_bytes(group.dense, layout.train.dtype, layout.zero, replica_shard, sync.grads_sharded,
-                                       unsharded_grad_bytes),
-                zero_model_state_bytes(group.expert, layout.train.dtype, layout.zero, expert_shard,
-                                       sync.grads_sharded, unsharded_grad_bytes))]
+                zero_model_state_bytes(group.dense, layout.train.dtype, layout.zero, ranks.replica_shard,
+                                       sync.grads_sharded, ranks.unsharded_grad_bytes),
+                zero_model_state_bytes(group.expert, layout.train.dtype, layout.zero, ranks.expert_shard,
+                                       sync.grads_sharded, ranks.unsharded_grad_bytes))]
         parts = states[id(group)][:]
         chunks = in_flight_chunks(layout.schedule, p, layout.virtual_stages, m_batches, r)
         parts.append(chunks * group.activation / group.chunks)
@@ -236,15 +276,14 @@ def _step_costs(layout: Layout, stack: SoftwareStack, headroom: float, detail: b
         parts.append(stack.reserved_bytes + stack.allocator_slack * (parts[3] + working))
         return parts
 
-    peak_group, peak_parts, peak_ratio, fits = ordered[0], [], -1.0, True
-    for group in ordered:
+    peak_group, peak_parts, peak_ratio, fits = ranks.groups[0], [], -1.0, True
+    for group in ranks.groups:
         parts = memory_parts(group, group.ranks[0])
         usable = group.env.capacity * (1 - headroom)
         fits = fits and sum(parts) <= usable
         if sum(parts) / usable > peak_ratio:
             peak_group, peak_parts, peak_ratio = group, parts, sum(parts) / usable
-    return _StepCosts(ordered, envs, pipe, data.total, dp_exposed, optimizer, step, stages, memory_parts, peak_group,
-                      peak_parts, peak_ratio, fits, stack)
+    return _Memory(memory_parts, peak_group, peak_parts, peak_ratio, fits)
 
 
 def kept_output_bytes(stack: SoftwareStack, element_bytes: int) -> int:

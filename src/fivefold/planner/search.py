@@ -66,7 +66,7 @@ class _Context:
     """What every step of one search shares."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Choices,
-                 stack: SoftwareStack, headroom: float, cost: Callable[[Layout], Score],
+                 stack: SoftwareStack, headroom: float, cost: Callable[..., Score],
                  threshold: Callable[[], float]) -> None:
         self.model, self.cluster, self.train, self.choices = model, cluster, train, choices
         self.stack, self.headroom, self.cost, self.threshold = stack, headroom, cost, threshold
@@ -104,10 +104,10 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
     def threshold() -> float:
         return -best[0][0] if len(best) >= keep else float("inf")
 
-    def cost(layout: Layout) -> Score:
+    def cost(layout: Layout, timed: bool = True) -> Score:
         nonlocal costed, smallest
         costed += 1
-        score = score_layout(layout, stack, headroom)
+        score = score_layout(layout, stack, headroom, time_if_overflowing=timed)
         if smallest is None or score.peak_ratio < smallest[0]:
             smallest = (score.peak_ratio, score, layout)
         return score
@@ -214,9 +214,10 @@ def _best_placement(ctx: _Context, signature: tuple, sequence_parallel: bool, re
 
 
 def _costed(ctx: _Context, memo: dict, signature: tuple, sequence_parallel: bool, rc: str, zero: int,
-            option: PlacementOption | None) -> tuple[Score, Layout] | None:
-    """Score and layout of one variant in one placement with the balanced split (None: no valid split)."""
-    key = (option, rc, zero)
+            option: PlacementOption | None, timed: bool = True) -> tuple[Score, Layout] | None:
+    """Score and layout of one variant in one placement with the balanced split (None: no valid split);
+    not `timed`: when it does not fit, its step time is not computed (inf)."""
+    key = (option, rc, zero, timed)
     if key not in memo:
         split_key = (option, rc)
         if split_key not in memo:
@@ -224,7 +225,7 @@ def _costed(ctx: _Context, memo: dict, signature: tuple, sequence_parallel: bool
         split = memo[split_key]
         layout = None if split is None else _layout(ctx, signature, split[0], rc, sequence_parallel, zero, option,
                                                     split[1])
-        memo[key] = None if layout is None else (ctx.cost(layout), layout)
+        memo[key] = None if layout is None else (ctx.cost(layout, timed), layout)
     return memo[key]
 
 
@@ -237,8 +238,8 @@ def _best_variant(ctx: _Context, memo: dict, signature: tuple, sequence_parallel
     off its fullest stages (_fit_memory) before the leaner variants are weighed against it."""
     variants = [(rc, zero) for rc in recomputes for zero in zeros]
 
-    def costed(variant: tuple[str, int]) -> tuple[Score, Layout] | None:
-        return _costed(ctx, memo, signature, sequence_parallel, *variant, option)
+    def costed(variant: tuple[str, int], timed: bool = True) -> tuple[Score, Layout] | None:
+        return _costed(ctx, memo, signature, sequence_parallel, *variant, option, timed)
 
     fastest = costed(variants[0])
     if fastest is None:
@@ -252,12 +253,13 @@ def _best_variant(ctx: _Context, memo: dict, signature: tuple, sequence_parallel
     if refit[0].fits:
         fitting.append((refit[0], variants[0], refit[1]))
     if len(variants) > 1:
-        leanest = costed(variants[-1])
+        # Past the fastest variant only the ones that fit need a step time.
+        leanest = costed(variants[-1], timed=False)
         leanest = leanest and _fit_memory(ctx, *leanest)
         if leanest is not None and leanest[0].fits:
             fitting.append((leanest[0], variants[-1], leanest[1]))
             for variant in variants[1:-1]:
-                result = costed(variant)
+                result = costed(variant, timed=False)
                 if result is not None and result[0].fits:
                     fitting.append((result[0], variant, result[1]))
     if not fitting:
