@@ -1,7 +1,7 @@
 """The closed loop on this machine: profile it, plan, train, and compare predicted with measured step time.
 
     .venv/bin/python bench/closed_loop.py [--models tiny,small] [--procs 1,2,4] [--steps 8] [--threads 1]
-                                          [--quiet-load 1.5] [--write docs/validation.md]
+                                          [--repeats 1] [--quiet-load 1.5] [--write docs/validation.md]
 
 For every process count N (1, 2, 4), one after another:
 1. `fivefold profile --quick` with N ranks: GEMMs, memory bandwidth and the eager runtime's host costs
@@ -57,7 +57,8 @@ class Result:
     procs: int
     plan: Plan
     predicted_s: float
-    measured_s: float | None = None
+    measured_s: float | None = None  # the median over the repeats
+    repeats: list[float] | None = None  # each repeat's measured step time (one launch each)
     breakdown: list[dict] | None = None  # the report's compute / optimizer / other, when traced
 
     @property
@@ -214,12 +215,17 @@ def run_loop(args: argparse.Namespace) -> tuple[list[Result], dict[int, str]]:
             plans = representative_plans(model_name, profile, train)
             group = [Result(model_name, n, p, estimate(p, STACKS[STACK]).step_time_s) for p in plans]
             started = time.perf_counter()
-            runs = train_plans(plans, folder / f"{model_name}-{n}", args.steps, args.trace)
-            for result, run in zip(group, runs):
-                report = build_report(load_run(run), STACK)[0]
-                step = report.figures[0]
-                result.predicted_s, result.measured_s = step.predicted, step.measured
-                result.breakdown = report.breakdown if args.trace else None
+            for repeat in range(args.repeats):
+                suffix = f"-r{repeat}" if args.repeats > 1 else ""
+                runs = train_plans(plans, folder / f"{model_name}-{n}{suffix}", args.steps, args.trace)
+                for result, run in zip(group, runs):
+                    report = build_report(load_run(run), STACK)[0]
+                    step = report.figures[0]
+                    result.predicted_s = step.predicted
+                    result.repeats = (result.repeats or []) + ([step.measured] if step.measured else [])
+                    result.breakdown = report.breakdown if args.trace else None
+            for result in group:
+                result.measured_s = statistics.median(result.repeats) if result.repeats else None
             print(f"{model_name} on {n} process(es): {len(plans)} plans trained in "
                   f"{time.perf_counter() - started:.0f} s (load average before: {loads[n]})", flush=True)
             print_group(group)
@@ -245,18 +251,22 @@ def print_group(group: list[Result]) -> None:
 
 def markdown(results: list[Result], args: argparse.Namespace, machine: str, loads: dict, minutes: float) -> str:
     errors = [abs(r.error) for r in results if r.error is not None]
-    within = sum(e <= 0.25 for e in errors)
+    within = sum(e <= 0.15 for e in errors)
+    spread = args.repeats > 1
     lines = [HEADING, "",
-             f"Produced by `.venv/bin/python bench/closed_loop.py --write docs/validation.md` "
+             f"Produced by `.venv/bin/python bench/closed_loop.py{f' --repeats {args.repeats}' if spread else ''} "
+             f"--write docs/validation.md` "
              f"(models {args.models}, {args.procs} processes, seq {args.seq_len}, global batch "
              f"{args.global_batch}, fp32, {args.steps} steps per plan, the first 2 left out as warm-up, as "
-             f"`fivefold report` does). Machine: {machine}. Load average (1/5/15 min) before each process "
+             f"`fivefold report` does; {args.threads or 'cores // N'} thread(s) per rank"
+             + (f"; {args.repeats} launches per model and process count, measured = their median" if spread else "")
+             + f"). Machine: {machine}. Load average (1/5/15 min) before each process "
              f"count: " + "; ".join(f"{n}: {load}" for n, load in loads.items() if n != "after")
              + f"; after: {loads['after']}. The whole loop took {minutes:.1f} min.", "",
              "For each process count N, `fivefold profile --quick` measured the machine with N processes "
              "working at once; each plan is the planner's best of its kind (fivefold stack, that profile), "
              "predicted with the cost model and trained by `fivefold train`'s launcher.", "",
-             f"Step time within 25%: {within} of {len(errors)} plans; mean absolute error "
+             f"Step time within 15%: {within} of {len(errors)} plans; mean absolute error "
              f"{100 * statistics.mean(errors):.1f}%, worst {100 * max(errors):.1f}%." if errors else "", ""]
     for model_name in args.models.split(","):
         for n in sorted({r.procs for r in results}):
@@ -266,18 +276,27 @@ def markdown(results: list[Result], args: argparse.Namespace, machine: str, load
             rank = ranking(group)
             rho = "n/a (fewer than 3 plans)" if rank.get("rho") is None else f"{rank['rho']:+.2f}"
             lines += [f"### {model_name}, {n} process{'es' if n > 1 else ''}", "",
-                      "| planner rank | plan | predicted | measured | error | measured rank |",
-                      "|---|---|---|---|---|---|"]
+                      "| planner rank | plan | predicted | measured | error | measured rank |"
+                      + (" measured range |" if spread else ""),
+                      "|---|---|---|---|---|---|" + ("---|" if spread else "")]
             measured_order = sorted(group, key=lambda r: r.measured_s or float("inf"))
             for index, r in enumerate(sorted(group, key=lambda r: r.predicted_s), 1):
                 lines.append(f"| {index} | {r.plan.describe()} | {r.predicted_s * 1e3:.1f} ms | "
                              f"{(r.measured_s or 0) * 1e3:.1f} ms | {100 * (r.error or 0):+.1f}% | "
-                             f"{measured_order.index(r) + 1} |")
+                             f"{measured_order.index(r) + 1} |" + (_range(r) if spread else ""))
             if rank["plans"]:
                 lines += ["", f"Ranking: Spearman {rho}; same order: {'yes' if rank['same_order'] else 'no'}; "
                               f"the predicted-fastest plan is {100 * rank['pick_regret']:.1f}% slower than the "
                               f"measured fastest.", ""]
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _range(result: Result) -> str:
+    """ min-max of the repeats and their spread relative to the median, as a table cell."""
+    if not result.repeats or not result.measured_s:
+        return " n/a |"
+    low, high = min(result.repeats), max(result.repeats)
+    return f" {low * 1e3:.1f}-{high * 1e3:.1f} ms ({100 * (high - low) / result.measured_s:.0f}%) |"
 
 
 def write_section(path: Path, section: str) -> None:
@@ -300,6 +319,9 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8, help="steps per plan (the first 2 are warm-up)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="launches per model and process count (after one profile); the measured step is "
+                             "their median, and the table shows their range")
     parser.add_argument("--out-dir", default="out/closed_loop", help="profiles and run folders")
     parser.add_argument("--reuse-profiles", action="store_true", help="keep profile-N.toml files already there")
     parser.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True,

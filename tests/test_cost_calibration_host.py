@@ -291,6 +291,27 @@ def test_pipeline_stages_pay_their_own_ends():
     assert last == pytest.approx((2 * ops.layer_forward + ops.head_forward + ops.stage_forward) * 5e-6 + traffic)
 
 
+def test_zero_bubble_split_backward_charges_every_stage_but_the_first():
+    """zbv on 2 ranks, tiny's 4 layers: 4 stages of 1 layer (V: rank 0 holds stages 0 and 3, rank 1 stages 1
+    and 2); every stage but the first pays its layers' graph walks in its W pass, 1F1B pays none."""
+    split = dataclasses.replace(HOST, split_backward_layer=1e-3, split_backward_layer_pair=2e-4)
+    plan = _plan(2, split, pp=2, schedule="zbv", virtual_stages=2, micro_batch=2)
+    charged = estimate(plan, FIVEFOLD)
+    plain = estimate(_plan(2, HOST, pp=2, schedule="zbv", virtual_stages=2, micro_batch=2), FIVEFOLD)
+    extra = [c.backward_weight - p.backward_weight for c, p in zip(charged.stage_costs, plain.stage_costs)]
+    assert extra == pytest.approx([0.0, 1e-3, 1e-3, 1e-3], rel=1e-9)
+    assert [c.backward_input for c in charged.stage_costs] == [p.backward_input for p in plain.stage_costs]
+    # 2 stages of 2 layers (zb-h1): 2 layers and their 1 pair on the second stage.
+    two = [estimate(_plan(2, host, pp=2, schedule="zb-h1", micro_batch=2), FIVEFOLD).stage_costs[1].backward_weight
+           for host in (split, HOST)]
+    assert two[0] - two[1] == pytest.approx(2 * 1e-3 + 2e-4, rel=1e-9)
+    # The split costs more step time than the same pipeline without it; 1F1B does not split.
+    assert charged.step_time_s > plain.step_time_s
+    one_f_one_b = [estimate(_plan(2, host, pp=2, schedule="1f1b", micro_batch=2), FIVEFOLD).step_time_s
+                   for host in (split, HOST)]
+    assert one_f_one_b[0] == one_f_one_b[1]
+
+
 def test_without_host_costs_nothing_changes():
     """A profile without host costs (a GPU, or an older file): the eager stack charges nothing; on a
     host-profiled CPU the other stacks charge no host costs either."""

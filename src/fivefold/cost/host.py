@@ -1,17 +1,18 @@
 """Host (CPU) costs of an eager stack on profiled CPU ranks, added in series with the passes (cost/step.py):
 each pass's eager ops x the profile's seconds per op, DTensor collectives' host side, FSDP2 hooks, the
-unfused element-wise traffic beyond cost/layer.py's fused kernels, and the runtime's small per-step
-collectives."""
+unfused element-wise traffic beyond cost/layer.py's fused kernels, the zero-bubble schedules' split
+backward, and the runtime's small per-step collectives."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from fivefold.cost.comm import Topology, all_reduce_time
-from fivefold.cost.layer import PassCost
+from fivefold.cost.layer import ZERO_PASS, PassCost
 from fivefold.cost.layout import Layout, LayerCosts, RankEnv
 from fivefold.cost.stack import (COMPILED_BLOCK_OPS, SoftwareStack, TensorParallelCollectives, eager_ops,
                                  tensor_parallel_collectives)
+from fivefold.spec.plan import SPLIT_BACKWARD
 
 NO_TP_COLLECTIVES = TensorParallelCollectives(0, 0, 0, 0, 0, 0)
 
@@ -67,6 +68,20 @@ def with_host_costs(layout: Layout, env: RankEnv, stack: SoftwareStack, costs: L
                               ops.head_backward * op_b + tp.head_backward * collective, False),
             activation, transient,
             _host_pass(ops.stage_forward * op_f + hooks_f, hooks_b, False))
+
+
+def split_backward_host(layout: Layout, env: RankEnv, stack: SoftwareStack, layers: float, stages: int) -> PassCost:
+    """What the zero-bubble schedules' split backward costs the host beyond a full backward, per micro-batch,
+    for `stages` stage models of `layers` layers each, none of them the first: torch.distributed.pipelining
+    runs stage_backward_input (a Python walk of the stage's autograd graph to group the parameters), then
+    stage_backward_weight (one autograd.grad call per parameter group, each traversing the graph beneath
+    it); the first stage runs one full backward in its W pass instead. Charged to the weight pass."""
+    host = env.device.host
+    if host is None or not stack.eager_host_costs or layout.schedule not in SPLIT_BACKWARD or stages <= 0:
+        return ZERO_PASS
+    seconds = stages * (layers * host.split_backward_layer
+                        + layers * (layers - 1) / 2 * host.split_backward_layer_pair)
+    return replace(ZERO_PASS, backward_weight=seconds)
 
 
 METRICS_EVERY = 10  # the runtime's default --metrics-every (runtime/bookkeeping.py)

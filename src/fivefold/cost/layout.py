@@ -262,11 +262,12 @@ class RankGroup:
                  "activation")
 
     def __init__(self, layout: Layout, stack: SoftwareStack, env: RankEnv, costs: LayerCosts, layers: int,
-                 first: bool, last: bool, chunks: int, extra_activation: float) -> None:
+                 first: bool, last: bool, chunks: int, extra_activation: float, extra: PassCost = ZERO_PASS
+                 ) -> None:
         layer, embedding, head, activation, _, per_chunk = costs
         self.ranks: list[int] = []  # shared with the cached pipeline shape: never mutate
         self.env, self.layers, self.first, self.last, self.chunks = env, layers, first, last, chunks
-        cost = layer.scaled(layers) + per_chunk.scaled(chunks)
+        cost = layer.scaled(layers) + per_chunk.scaled(chunks) + extra  # extra: host.split_backward_host's
         if first:
             cost = cost + embedding
         if last:

@@ -24,7 +24,8 @@ On a profiled CPU rank (Calibration.host) a stack with `eager_host_costs` become
 (stack.on_host_profiled_cpu: nothing overlaps, one collective per FSDP module) and adds its measured host
 costs in series (one thread computes and dispatches): each pass costs its eager ops (stack.eager_ops) x seconds
 per op (DTensor's with tp > 1, and what each DTensor collective costs beyond the collective), plus the
-FSDP2 hooks of each wrapped module (each block and each stage model) when dp > 1, and the memory traffic of its unfused element-wise ops beyond the fused kernels; the host side of every FSDP gather and reduction joins dp_comm_exposed_s, as do the
+FSDP2 hooks of each wrapped module (each block and each stage model) when dp > 1, and the memory traffic of its unfused element-wise ops beyond the fused kernels; the zero-bubble schedules' split backward
+adds its graph walks to the W pass of every stage but the first (host.split_backward_host); the host side of every FSDP gather and reduction joins dp_comm_exposed_s, as do the
 runtime's small per-step collectives (gradient norm, loss, metrics), and the optimizer pays a per-tensor
 cost (cost/dataparallel.py).
 Memory: a rank's peak = its model states (ZeRO; gradients stay whole when the stack reduces them only
@@ -44,7 +45,7 @@ from fivefold.cost.comm import GroupLink, Topology, p2p_time, topology_of
 from fivefold.cost.dataparallel import (data_parallel_time, fsdp_host_time, optimizer_host_time, optimizer_time,
                                        parameter_tensors)
 from fivefold.cost.flops import hardware_flops_per_step, model_flops_per_step
-from fivefold.cost.host import bookkeeping_time, ddp_on_cpu, with_host_costs
+from fivefold.cost.host import bookkeeping_time, ddp_on_cpu, split_backward_host, with_host_costs
 from fivefold.cost.layer import padded_vocab
 from fivefold.cost.layout import (Layout, LayerCosts, RankEnv, RankGroup, layer_costs, rank_envs, stage_owners,
                                   stage_params)
@@ -174,7 +175,10 @@ def _rank_groups(layout: Layout, stack: SoftwareStack) -> _RankGroups:
     for layers, first, last, chunks, env, ranks in shapes:
         if id(env) not in costs_of:
             costs_of[id(env)] = with_host_costs(layout, env, stack, layer_costs(layout, env, stack))
-        group = RankGroup(layout, stack, env, costs_of[id(env)], layers, first, last, chunks, embedding_activation)
+        split_stages = chunks - (1 if first else 0)  # the first stage's W pass is one full backward
+        split = split_backward_host(layout, env, stack, layers / chunks, split_stages)
+        group = RankGroup(layout, stack, env, costs_of[id(env)], layers, first, last, chunks, embedding_activation,
+                          split)
         group.ranks = ranks
         ordered.append(group)
     # FSDP2 with gradient sync off (pp > 1) accumulates the unsharded gradients in its reduce dtype.
@@ -366,6 +370,8 @@ def _stage_list(layout: Layout, stack: SoftwareStack, envs: list[RankEnv], costs
         if fields is None:
             layer, embedding, head, activation, _, per_chunk = costs_of[id(envs[r])]
             cost = layer.scaled(layers) + per_chunk
+            if not first:
+                cost = cost + split_backward_host(layout, envs[r], stack, layers, 1)
             if first:
                 cost = cost + embedding
             if last:

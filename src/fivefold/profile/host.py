@@ -153,6 +153,62 @@ def _bare_collective(kind: str, group, elements: int, timer: _Timer) -> float:
     return timer.call(lambda: dist.reduce_scatter_single(shard, full, group=group))
 
 
+def _middle_stage(layers: int) -> torch.nn.Module:
+    """A pipeline stage model of `layers` probe layers that neither embeds nor has the head, as
+    runtime/pipeline.py builds one: hidden states in, hidden states out."""
+    from dataclasses import replace
+
+    from fivefold.models import build_model, init_weights
+
+    model = build_model(replace(PROBE_MODEL, layers=layers), device="meta")
+    model.tok_embeddings = model.pos_embeddings = model.norm = model.output = None
+    model.to_empty(device="cpu")
+    init_weights(model, 0)
+    return model
+
+
+def _split_backward_extra(layers: int, timer: _Timer) -> float:
+    """Seconds torch's split backward (stage_backward_input, then stage_backward_weight, as the
+    zero-bubble schedules run every stage but the first) takes beyond one full backward, per micro-batch of
+    a middle stage of `layers` layers; both backwards alternate in one loop so that they see the same load."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    model = _middle_stage(layers)
+    hidden = torch.randn(PROBE_TOKENS[0], PROBE_TOKENS[1], PROBE_MODEL.hidden)
+    grad = torch.randn_like(hidden)
+    positions = torch.arange(PROBE_TOKENS[1])
+
+    def both() -> tuple[float, float]:
+        stage_input = hidden.clone().requires_grad_(True)
+        output = model(stage_input, positions=positions)
+        begin = time.perf_counter()
+        torch.autograd.backward(output, grad)
+        full = time.perf_counter() - begin
+        stage_input = hidden.clone().requires_grad_(True)
+        output = model(stage_input, positions=positions)
+        begin = time.perf_counter()
+        _, groups = stage_backward_input([output], [grad], [stage_input], model.parameters())
+        stage_backward_weight(model.parameters(), groups)
+        split = time.perf_counter() - begin
+        model.zero_grad(set_to_none=True)
+        return full, split
+
+    start = time.perf_counter()
+    both()  # warm-up
+    count = timer.loops(time.perf_counter() - start)
+    samples = []
+    for _ in range(timer.repeats):
+        fulls = splits = 0.0
+        for _ in range(count):
+            full, split = both()
+            fulls, splits = fulls + full, splits + split
+        samples.append((splits - fulls) / count)
+    return max(0.0, statistics.median(samples))
+
+
+SPLIT_PROBE_LAYERS = 4  # with 1 layer: the per-layer and the per-pair terms apart (4 a + 6 b against a)
+
+
 def measure_host_costs(alone_mesh, quick: bool, world_mesh=None, pair_mesh=None,
                        line_up: Callable[[], None] = lambda: None,
                        agree: Callable[[int], int] = lambda count: count) -> HostCosts:
@@ -197,7 +253,14 @@ def measure_host_costs(alone_mesh, quick: bool, world_mesh=None, pair_mesh=None,
         bare_gather = _bare_collective("all_gather", world_mesh.get_group(), shard, timer)
         line_up()
         bare_reduce = _bare_collective("reduce_scatter", world_mesh.get_group(), shard, timer)
+    line_up()
+    split_one = _split_backward_extra(1, timer)
+    line_up()
+    split_many = _split_backward_extra(SPLIT_PROBE_LAYERS, timer)
+    pairs = SPLIT_PROBE_LAYERS * (SPLIT_PROBE_LAYERS - 1) / 2
     return HostCosts(
+        split_backward_layer=split_one,
+        split_backward_layer_pair=max(0.0, (split_many - SPLIT_PROBE_LAYERS * split_one) / pairs),
         op_forward=forward / forward_ops, op_backward=backward / backward_ops,
         dtensor_op_forward=tp_forward / forward_ops, dtensor_op_backward=tp_backward / backward_ops,
         tp_collective=tp_collective,

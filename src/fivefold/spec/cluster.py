@@ -43,6 +43,12 @@ class HostCosts:
     fsdp_reduce: float = 0.0  # what one wrapped module's gradient reduction costs beyond the bare collective
     optimizer_tensor: float = 0.0  # AdamW step (CPU: one tensor at a time) per plain parameter tensor
     optimizer_dtensor: float = 0.0  # per DTensor parameter (FSDP / replicate / TP shards)
+    # The zero-bubble schedules' split backward (torch.distributed.pipelining stage_backward_input, then
+    # stage_backward_weight: one autograd.grad call per parameter group) beyond one full backward, per
+    # micro-batch of a stage model that is not the first: per layer of the stage, and per pair of its layers
+    # (each weight-gradient call walks the autograd graph of every layer beneath it in the stage).
+    split_backward_layer: float = 0.0
+    split_backward_layer_pair: float = 0.0
 
     def to_dict(self) -> dict:
         return {name: getattr(self, name) for name in HOST_COST_FIELDS}
