@@ -26,6 +26,7 @@ takes 40 ms or 600 ms depending on the neighbours, which no profile can predict.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -42,7 +43,7 @@ from fivefold.errors import FivefoldError  # noqa: E402
 from fivefold.planner import Choices, search  # noqa: E402
 from fivefold.planner.space import degree_options  # noqa: E402
 from fivefold.report import build_report, load_run  # noqa: E402
-from fivefold.spec import Plan, TrainSpec, parse_cluster, parse_model  # noqa: E402
+from fivefold.spec import Plan, TrainSpec, load_plan, parse_cluster, parse_model  # noqa: E402
 
 STACK = "fivefold"
 HEADING = "## Closed loop on this machine (bench/closed_loop.py)"
@@ -206,18 +207,25 @@ def run_loop(args: argparse.Namespace) -> tuple[list[Result], dict[int, str]]:
     train = TrainSpec(seq_len=args.seq_len, global_batch=args.global_batch, dtype="fp32")
     results: list[Result] = []
     loads: dict[int, str] = {}
+    recorded = _recorded(args)
     for n in [int(n) for n in args.procs.split(",")]:
         if args.quiet_load:
             wait_for_quiet(args.quiet_load, args.patience)
-        loads[n] = load_average()
-        profile = profile_files([n], folder, reuse=args.reuse_profiles)[n]
+        loads[n] = recorded.get(str(n), load_average())
+        profile = profile_files([n], folder, reuse=args.reuse_profiles or args.reuse_runs)[n]
         for model_name in args.models.split(","):
-            plans = representative_plans(model_name, profile, train)
+            if args.reuse_runs:  # the plans as trained (their plan.toml), not the planner's picks today
+                first = folder / f"{model_name}-{n}{'-r0' if args.repeats > 1 else ''}"
+                plans = [load_plan(run / "plan.toml") for run in sorted(first.iterdir()) if run.is_dir()]
+            else:
+                plans = representative_plans(model_name, profile, train)
             group = [Result(model_name, n, p, estimate(p, STACKS[STACK]).step_time_s) for p in plans]
             started = time.perf_counter()
             for repeat in range(args.repeats):
                 suffix = f"-r{repeat}" if args.repeats > 1 else ""
-                runs = train_plans(plans, folder / f"{model_name}-{n}{suffix}", args.steps, args.trace)
+                runs = (sorted(p for p in (folder / f"{model_name}-{n}{suffix}").iterdir() if p.is_dir())
+                        if args.reuse_runs else
+                        train_plans(plans, folder / f"{model_name}-{n}{suffix}", args.steps, args.trace))
                 for result, run in zip(group, runs):
                     report = build_report(load_run(run), STACK)[0]
                     step = report.figures[0]
@@ -231,6 +239,12 @@ def run_loop(args: argparse.Namespace) -> tuple[list[Result], dict[int, str]]:
             print_group(group)
             results.extend(group)
     return results, loads
+
+
+def _recorded(args: argparse.Namespace) -> dict:
+    """The load averages (before each process count, after) and minutes the runs in --out-dir recorded."""
+    record = Path(args.out_dir) / "loads.json"
+    return json.loads(record.read_text()) if args.reuse_runs and record.is_file() else {}
 
 
 def print_group(group: list[Result]) -> None:
@@ -324,6 +338,9 @@ def main() -> int:
                              "their median, and the table shows their range")
     parser.add_argument("--out-dir", default="out/closed_loop", help="profiles and run folders")
     parser.add_argument("--reuse-profiles", action="store_true", help="keep profile-N.toml files already there")
+    parser.add_argument("--reuse-runs", action="store_true",
+                        help="train nothing: predict the plans of the run folders already there with today's cost "
+                             "model against what those runs measured (their profiles too)")
     parser.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True,
                         help="trace the runs, to print compute / optimizer / other (default: on)")
     parser.add_argument("--write", type=Path, default=None, help="write the Markdown section to this file")
@@ -340,6 +357,11 @@ def main() -> int:
     results, loads = run_loop(args)
     minutes = (time.perf_counter() - started) / 60
     loads["after"] = load_average()
+    if args.reuse_runs:  # what the runs saw and took, not this re-prediction
+        loads["after"], minutes = _recorded(args).get("after", "n/a"), _recorded(args).get("minutes", 0.0)
+    else:
+        (Path(args.out_dir) / "loads.json").write_text(json.dumps({**{str(n): v for n, v in loads.items()},
+                                                                   "minutes": minutes}))
     print(f"load average after: {loads['after']}; {minutes:.1f} min")
     section = markdown(results, args, machine_description(), loads, minutes)
     print(section)
