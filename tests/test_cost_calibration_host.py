@@ -244,6 +244,14 @@ def test_data_parallel_adds_fsdp_hooks_gathers_reductions_and_dtensor_adam():
     assert extra == pytest.approx(units * (4 * 100e-6 + 2 * 20e-6) + bookkeeping, rel=1e-6)
 
 
+def test_ddp_keeps_plain_parameters_for_adamw():
+    """ZeRO-0 data parallelism runs under DistributedDataParallel on CPU: AdamW steps plain tensors."""
+    plan = _plan(2, dp=2, zero=0, micro_batch=2)
+    tensors = parameter_tensors(plan.model, plan.model.layers, True, True)
+    assert estimate(plan, FIVEFOLD).optimizer_s - estimate(plan, NO_HOST).optimizer_s == pytest.approx(
+        tensors * 30e-6, rel=1e-9)
+
+
 def test_on_cpu_ranks_fsdp_collectives_go_module_by_module_and_hide_under_nothing():
     plan = _plan(2, dp=2, zero=1, micro_batch=4)
     assert estimate(plan, FIVEFOLD).stack == "fivefold-cpu"

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivefold.cost.comm import Topology, all_gather_time, all_reduce_time, reduce_scatter_time
+from fivefold.cost.host import ddp_on_cpu
 from fivefold.cost.layer import padded_vocab
 from fivefold.cost.layout import Layout, RankEnv, RankGroup
 from fivefold.cost.stack import DataParallelSync, SoftwareStack, data_parallel_sync
@@ -64,11 +65,11 @@ def parameter_tensors(model: ModelSpec, layers: int, first: bool, last: bool, ho
 def optimizer_host_time(layout: Layout, env: RankEnv, tensors: int) -> float:
     """The host side of the runtime's AdamW on a profiled CPU rank: one tensor at a time (torch has no
     foreach kernels on CPU), dearer per tensor when the parameters are DTensors (dp > 1 under FSDP2 or
-    replicate, or tp > 1)."""
+    replicate, or tp > 1); DistributedDataParallel (host.ddp_on_cpu) keeps them plain tensors."""
     host = env.device.host
     if host is None:
         return 0.0
-    distributed = layout.dp * layout.cp > 1 or layout.tp > 1
+    distributed = (layout.dp * layout.cp > 1 and not ddp_on_cpu(layout)) or layout.tp > 1
     return tensors * (host.optimizer_dtensor if distributed else host.optimizer_tensor)
 
 
