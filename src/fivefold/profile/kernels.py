@@ -65,9 +65,13 @@ def gemm_shapes(quick: bool) -> list[tuple[int, int, int]]:
 
 def measure_gemm(device: torch.device, dtypes: list[str], quick: bool,
                  on_point: Callable[[GemmPoint], None] | None = None,
-                 line_up: Callable[[], None] = lambda: None) -> list[GemmPoint]:
-    """Every shape of gemm_shapes in every dtype; `line_up` (a barrier) starts each shape on every rank
-    at once when several ranks measure together."""
+                 line_up: Callable[[], None] = lambda: None,
+                 agree: Callable[[int], int] = lambda count: count) -> list[GemmPoint]:
+    """Every shape of gemm_shapes in every dtype. When several ranks measure together, `line_up` (a
+    barrier) starts every timed batch on every rank at once and `agree` gives them all the same number of
+    GEMMs, so that each batch is timed while all of them compute: with more ranks than cores, a rank that
+    ran its own count and went to wait would leave the cores to the others, which would then time
+    GEMMs at a share of the machine that no training step gives them."""
     points = []
     for dtype in dtypes:
         for m, n, k in gemm_shapes(quick):
@@ -75,7 +79,7 @@ def measure_gemm(device: torch.device, dtypes: list[str], quick: bool,
             a = torch.randn(m, k, device=device, dtype=DTYPES[dtype])
             b = torch.randn(k, n, device=device, dtype=DTYPES[dtype])
             seconds = median_seconds(lambda: torch.mm(a, b), device, repeats=3 if quick else 5,
-                                     min_seconds=0.02 if quick else 0.1)
+                                     min_seconds=0.02 if quick else 0.1, agree=agree, before_sample=line_up)
             point = GemmPoint(m, n, k, dtype, seconds, 2 * m * n * k / seconds)
             points.append(point)
             if on_point:
@@ -83,10 +87,13 @@ def measure_gemm(device: torch.device, dtypes: list[str], quick: bool,
     return points
 
 
-def measure_memory_bandwidth(device: torch.device, quick: bool) -> float:
-    """Bytes/s of a large copy (one read + one write per element), the STREAM 'copy' kernel."""
+def measure_memory_bandwidth(device: torch.device, quick: bool, line_up: Callable[[], None] = lambda: None,
+                             agree: Callable[[int], int] = lambda count: count) -> float:
+    """Bytes/s of a large copy (one read + one write per element), the STREAM 'copy' kernel; several
+    ranks copy at once as they compute GEMMs at once (measure_gemm)."""
     elements = (32 if quick else 128) * 2**20 // 4
     source = torch.ones(elements, device=device, dtype=torch.float32)
     target = torch.empty_like(source)
-    seconds = median_seconds(lambda: target.copy_(source), device, repeats=5, min_seconds=0.05)
+    seconds = median_seconds(lambda: target.copy_(source), device, repeats=5, min_seconds=0.05, agree=agree,
+                             before_sample=line_up)
     return 2 * source.numel() * source.element_size() / seconds

@@ -67,9 +67,11 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, use_cuda: bool, compu
             grid = init_device_mesh("cpu", (ranks, 1), mesh_dim_names=("world", "alone"))
             pairs = init_device_mesh("cpu", (ranks // 2, 2), mesh_dim_names=("pairs", "pair"))["pair"] \
                 if ranks % 2 == 0 else None
-            measure_gemm(device, CPU_DTYPES, quick, on_point=lambda p: emit("gemm", p), line_up=dist.barrier)
+            agree = (lambda count: agree_with_rank0(count, device)) if ranks > 1 else (lambda count: count)
+            measure_gemm(device, CPU_DTYPES, quick, on_point=lambda p: emit("gemm", p), line_up=dist.barrier,
+                         agree=agree)
             dist.barrier()
-            emit("memory", measure_memory_bandwidth(device, quick))
+            emit("memory", measure_memory_bandwidth(device, quick, line_up=dist.barrier, agree=agree))
             emit("host", measure_host_costs(grid["alone"], quick, grid["world"] if ranks > 1 else None, pairs,
                                             line_up=dist.barrier,
                                             agree=lambda count: agree_with_rank0(count, device)))
