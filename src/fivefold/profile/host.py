@@ -76,10 +76,14 @@ def _loss(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
 
 
 class _Timer:
-    """Median of `repeats` batches of about `seconds` each; the loop count is agreed by every rank."""
+    """Median of `repeats` batches of about `seconds` each; the loop count is agreed by every rank, and
+    every batch starts on all ranks at once and ends when the last is done (`line_up`, timed with it): with
+    more ranks than cores, a rank that ran on after the others finished would time itself on a machine
+    less shared than a training step's."""
 
-    def __init__(self, seconds: float, repeats: int, agree: Callable[[int], int]) -> None:
-        self.seconds, self.repeats, self.agree = seconds, repeats, agree
+    def __init__(self, seconds: float, repeats: int, agree: Callable[[int], int],
+                 line_up: Callable[[], None] = lambda: None) -> None:
+        self.seconds, self.repeats, self.agree, self.line_up = seconds, repeats, agree, line_up
 
     def loops(self, once: float) -> int:
         return self.agree(max(1, int(self.seconds / max(once, 1e-7))))
@@ -92,6 +96,8 @@ class _Timer:
         forwards, backwards = [], []
         for _ in range(self.repeats):
             forward = backward = 0.0
+            self.line_up()
+            start = time.perf_counter()
             for _ in range(count):
                 begin = time.perf_counter()
                 loss = _loss(model, inputs)
@@ -99,8 +105,10 @@ class _Timer:
                 loss.backward()
                 forward += middle - begin
                 backward += time.perf_counter() - middle
-            forwards.append(forward / count)
-            backwards.append(backward / count)
+            self.line_up()
+            batch = time.perf_counter() - start  # up to the last rank's end: split as this rank's passes
+            forwards.append(batch * forward / (forward + backward) / count)
+            backwards.append(batch * backward / (forward + backward) / count)
         return statistics.median(forwards), statistics.median(backwards)
 
     def call(self, work: Callable[[], object]) -> float:
@@ -110,9 +118,11 @@ class _Timer:
         count = self.loops(time.perf_counter() - start)
         samples = []
         for _ in range(self.repeats):
+            self.line_up()
             begin = time.perf_counter()
             for _ in range(count):
                 work()
+            self.line_up()
             samples.append((time.perf_counter() - begin) / count)
         return statistics.median(samples)
 
@@ -199,10 +209,15 @@ def _split_backward_extra(layers: int, timer: _Timer) -> float:
     samples = []
     for _ in range(timer.repeats):
         fulls = splits = 0.0
+        timer.line_up()
+        begin = time.perf_counter()
         for _ in range(count):
             full, split = both()
             fulls, splits = fulls + full, splits + split
-        samples.append((splits - fulls) / count)
+        own = time.perf_counter() - begin
+        timer.line_up()
+        stretch = (time.perf_counter() - begin) / own  # up to the last rank's end, as in _Timer
+        samples.append(stretch * (splits - fulls) / count)
     return max(0.0, statistics.median(samples))
 
 
@@ -216,7 +231,7 @@ def measure_host_costs(alone_mesh, quick: bool, world_mesh=None, pair_mesh=None,
     N ranks (None for one); `pair_mesh`: a 2-rank mesh for tensor parallelism (None without one);
     `line_up` a barrier so that every rank measures the same thing at the same time, `agree` the loop
     count every rank uses (rank 0's)."""
-    timer = _Timer(*((0.05, 3) if quick else (0.2, 5)), agree)
+    timer = _Timer(*((0.05, 5) if quick else (0.2, 5)), agree, line_up)
     inputs = torch.randint(0, PROBE_MODEL.vocab, (PROBE_TOKENS[0], PROBE_TOKENS[1] + 1))
     plain = _probe("plain", alone_mesh)
     forward_ops, backward_ops = (count.ops for count in _count_ops(plain, inputs))

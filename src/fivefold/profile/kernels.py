@@ -28,11 +28,13 @@ def synchronize(device: torch.device) -> None:
 
 def median_seconds(work: Callable[[], object], device: torch.device, repeats: int, min_seconds: float,
                    agree: Callable[[int], int] = lambda count: count,
-                   before_sample: Callable[[], None] = lambda: None) -> float:
+                   before_sample: Callable[[], None] = lambda: None,
+                   after_sample: Callable[[], None] = lambda: None) -> float:
     """Median over `repeats` timed batches; each batch runs the work often enough to last min_seconds.
 
     For collectives every rank must make the same number of calls: `agree` turns this rank's loop count
-    into the one all ranks use, and `before_sample` lines the ranks up before each batch.
+    into the one all ranks use, and `before_sample` lines the ranks up before each batch; `after_sample`,
+    timed with the batch, waits for the last rank to finish it.
     """
     work()
     synchronize(device)
@@ -48,6 +50,7 @@ def median_seconds(work: Callable[[], object], device: torch.device, repeats: in
         for _ in range(inner):
             work()
         synchronize(device)
+        after_sample()
         samples.append((time.perf_counter() - start) / inner)
     samples.sort()
     return samples[len(samples) // 2]
@@ -68,10 +71,10 @@ def measure_gemm(device: torch.device, dtypes: list[str], quick: bool,
                  line_up: Callable[[], None] = lambda: None,
                  agree: Callable[[int], int] = lambda count: count) -> list[GemmPoint]:
     """Every shape of gemm_shapes in every dtype. When several ranks measure together, `line_up` (a
-    barrier) starts every timed batch on every rank at once and `agree` gives them all the same number of
-    GEMMs, so that each batch is timed while all of them compute: with more ranks than cores, a rank that
-    ran its own count and went to wait would leave the cores to the others, which would then time
-    GEMMs at a share of the machine that no training step gives them."""
+    barrier) starts every timed batch on every rank at once, `agree` gives them all the same number of
+    GEMMs and the batch ends when the last rank is done (as a step's collectives wait for it): with more
+    ranks than cores, a rank the scheduler favours would otherwise time its GEMMs at a larger share of
+    the machine than the ranks of a training step get on average."""
     points = []
     for dtype in dtypes:
         for m, n, k in gemm_shapes(quick):
@@ -79,7 +82,8 @@ def measure_gemm(device: torch.device, dtypes: list[str], quick: bool,
             a = torch.randn(m, k, device=device, dtype=DTYPES[dtype])
             b = torch.randn(k, n, device=device, dtype=DTYPES[dtype])
             seconds = median_seconds(lambda: torch.mm(a, b), device, repeats=3 if quick else 5,
-                                     min_seconds=0.02 if quick else 0.1, agree=agree, before_sample=line_up)
+                                     min_seconds=0.02 if quick else 0.1, agree=agree, before_sample=line_up,
+                                     after_sample=line_up)
             point = GemmPoint(m, n, k, dtype, seconds, 2 * m * n * k / seconds)
             points.append(point)
             if on_point:
@@ -95,5 +99,5 @@ def measure_memory_bandwidth(device: torch.device, quick: bool, line_up: Callabl
     source = torch.ones(elements, device=device, dtype=torch.float32)
     target = torch.empty_like(source)
     seconds = median_seconds(lambda: target.copy_(source), device, repeats=5, min_seconds=0.05, agree=agree,
-                             before_sample=line_up)
+                             before_sample=line_up, after_sample=line_up)
     return 2 * source.numel() * source.element_size() / seconds
