@@ -267,7 +267,9 @@ class RankGroup:
         layer, embedding, head, activation, _, per_chunk = costs
         self.ranks: list[int] = []  # shared with the cached pipeline shape: never mutate
         self.env, self.layers, self.first, self.last, self.chunks = env, layers, first, last, chunks
-        cost = layer.scaled(layers) + per_chunk.scaled(chunks) + extra  # extra: host.split_backward_host's
+        cost = layer.scaled(layers) + per_chunk.scaled(chunks)
+        if extra is not ZERO_PASS:  # host.split_backward_host's (profiled CPU ranks only: off the planner's path)
+            cost = cost + extra
         if first:
             cost = cost + embedding
         if last:

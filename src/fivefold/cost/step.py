@@ -46,7 +46,7 @@ from fivefold.cost.dataparallel import (data_parallel_time, fsdp_host_time, opti
                                        parameter_tensors)
 from fivefold.cost.flops import hardware_flops_per_step, model_flops_per_step
 from fivefold.cost.host import bookkeeping_time, ddp_on_cpu, split_backward_host, with_host_costs
-from fivefold.cost.layer import padded_vocab
+from fivefold.cost.layer import ZERO_PASS, padded_vocab
 from fivefold.cost.layout import (Layout, LayerCosts, RankEnv, RankGroup, layer_costs, rank_envs, stage_owners,
                                   stage_params)
 from fivefold.cost.memory import RankMemory, in_flight_chunks, zero_model_state_bytes
@@ -175,8 +175,9 @@ def _rank_groups(layout: Layout, stack: SoftwareStack) -> _RankGroups:
     for layers, first, last, chunks, env, ranks in shapes:
         if id(env) not in costs_of:
             costs_of[id(env)] = with_host_costs(layout, env, stack, layer_costs(layout, env, stack))
-        split_stages = chunks - (1 if first else 0)  # the first stage's W pass is one full backward
-        split = split_backward_host(layout, env, stack, layers / chunks, split_stages)
+        split = ZERO_PASS  # the first stage's W pass is one full backward, the others' split (profiled CPU)
+        if env.device.host is not None:
+            split = split_backward_host(layout, env, stack, layers / chunks, chunks - (1 if first else 0))
         group = RankGroup(layout, stack, env, costs_of[id(env)], layers, first, last, chunks, embedding_activation,
                           split)
         group.ranks = ranks
