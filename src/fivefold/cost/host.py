@@ -81,7 +81,7 @@ def split_backward_host(layout: Layout, env: RankEnv, stack: SoftwareStack, laye
         return ZERO_PASS
     seconds = stages * (layers * host.split_backward_layer
                         + layers * (layers - 1) / 2 * host.split_backward_layer_pair)
-    return replace(ZERO_PASS, backward_weight=seconds)
+    return ZERO_PASS._replace(backward_weight=seconds)
 
 
 METRICS_EVERY = 10  # the runtime's default --metrics-every (runtime/bookkeeping.py)
