@@ -1,26 +1,24 @@
 """fivefold's step time against the plain PyTorch script each parallelism replaces, side by side.
 
-One row per parallelism, each against what a user would otherwise write by hand with the same torch pieces,
-on the same model (fivefold.models), the same seeded weights and the same batches:
-
-    1 process   a plain loop: forward, cross-entropy, backward, clip_grad_norm_, AdamW (nanoGPT style)
-    dp2         DistributedDataParallel, each rank its half of the batch
-    zero3       fully_shard on every block and the root (FSDP2), SUM reductions (gloo has no AVG)
-    tp2         parallelize_module: q/k/v and w1/w3 column-wise, wo and w2 row-wise, the embedding by
-                vocabulary rows, the head column-wise (fivefold's plan without sequence parallel)
-    pp2         torch.distributed.pipelining: the model cut in two stages, Schedule1F1B over 4
-                micro-batches, clipping by the norm summed over both stages (as TorchTitan does)
-    compile     (1 process) fivefold --compile against fivefold eager: the speed-up, not an overhead
+One row per parallelism, each against what a user would otherwise write by hand with the same torch pieces
+(bench/plain_scripts.py says what each script does), on the same model (fivefold.models), the same seeded
+weights and the same batches: 1 process, dp2 (DDP), zero3 (fully_shard), tp2 (parallelize_module), pp2
+(Schedule1F1B over 4 micro-batches), cp2 (K/V all-gather by hand; seq 512, global batch 4, the same tokens per
+step as the others), ep2 (all_to_all_single dispatch by hand; an MoE version of the model, 8 experts top-2),
+and compile: (1 process) fivefold --compile against fivefold eager, the speed-up, not an overhead.
+Both sides train the same run (the same cosine schedule, clipping at norm 1): the table's last column is the
+largest relative difference of their per-step losses over all rounds (target <= 1e-5).
 
 Both sides run in the same worker processes (one launch per world size), alternating within each round
 (plain first in even rounds, fivefold first in odd ones); each run trains a fresh model for --steps steps and
 keeps the median step time of rank 0 after --warmup steps. The ratio column is the median over rounds of
-fivefold / plain; the last column divides the fastest step of all fivefold runs by the fastest plain one, which
-a busy neighbour on a shared machine disturbs least. Every rank uses one thread (OMP_NUM_THREADS=1): two threads per process on a shared 2-core
-machine collapse whenever a neighbour wants a core. Target: every ratio <= 1.05.
+fivefold / plain; the next column divides the fastest step of all fivefold runs by the fastest plain one, which
+a busy neighbour on a shared machine disturbs least. Every rank uses one thread (OMP_NUM_THREADS=1): two
+threads per process on a shared 2-core machine collapse whenever a neighbour wants a core. Target: every
+ratio <= 1.05.
 
     .venv/bin/python bench/overhead.py [--model small] [--seq-len 128] [--global-batch 16] [--rounds 3]
-                                       [--only dp2,zero3] [--markdown]
+                                       [--only dp2,zero3,cp2,ep2] [--markdown]
 """
 
 from __future__ import annotations
@@ -36,147 +34,42 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
 
-# name -> (processes, fivefold plan fields); "compile" compares fivefold --compile with fivefold eager.
-ROWS: dict[str, tuple[int, dict]] = {
-    "1 process": (1, dict()),
-    "compile": (1, dict()),
-    "dp2": (2, dict(dp=2)),
-    "zero3": (2, dict(dp=2, zero=3)),
-    "tp2": (2, dict(tp=2)),
-    "pp2": (2, dict(pp=2, schedule="1f1b", micro_batch=4)),
+from plain_scripts import LR, plain_step_times  # noqa: E402  (the hand-written side of every row)
+
+# name -> (processes, fivefold plan fields, train/model overrides); "compile" compares fivefold --compile with
+# fivefold eager. cp2 trades batch for sequence (same tokens per step) so that attention is worth splitting.
+MOE = "preset=small,experts=8,top_k=2,expert_ffn_hidden=344,aux_loss_coef=0.01"
+ROWS: dict[str, tuple[int, dict, dict]] = {
+    "1 process": (1, dict(), dict()),
+    "compile": (1, dict(), dict()),
+    "dp2": (2, dict(dp=2), dict()),
+    "zero3": (2, dict(dp=2, zero=3), dict()),
+    "tp2": (2, dict(tp=2), dict()),
+    "pp2": (2, dict(pp=2, schedule="1f1b", micro_batch=4), dict()),
+    "cp2": (2, dict(cp=2), dict(seq_len=512, global_batch=4)),
+    "ep2": (2, dict(dp=2, ep=2), dict(model=MOE)),
 }
-LR = 1e-3
 
 
 def make_plan(args: argparse.Namespace, row: str):
     from fivefold.spec import Plan, TrainSpec, parse_cluster, parse_model
 
-    world, fields = ROWS[row]
+    world, fields, override = ROWS[row]
     fields = dict(fields)
+    seq_len = args.seq_len * args.global_batch // override["global_batch"] if "global_batch" in override else \
+        args.seq_len
+    global_batch = override.get("global_batch", args.global_batch)
     # One micro-batch per replica, as the plain scripts run (pp: the schedule's micro-batches).
-    fields.setdefault("micro_batch", args.global_batch // fields.get("dp", 1))
-    return Plan(model=parse_model(args.model), cluster=parse_cluster(f"1x{world}xcpu"),
-                train=TrainSpec(seq_len=args.seq_len, global_batch=args.global_batch, dtype="fp32"), **fields)
+    fields.setdefault("micro_batch", global_batch // fields.get("dp", 1))
+    return Plan(model=parse_model(override.get("model", args.model)), cluster=parse_cluster(f"1x{world}xcpu"),
+                train=TrainSpec(seq_len=seq_len, global_batch=global_batch, dtype="fp32"), **fields)
 
 
-# --- the plain scripts ------------------------------------------------------------------------------
-
-def _tensor_parallel_by_hand(model, mesh) -> None:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    parallelize_module(model, mesh, {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-                                     "output": ColwiseParallel(output_layouts=Replicate())})
-    for block in model.layers.values():
-        parallelize_module(block, mesh, {
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()})
-
-
-def _clip_tensor_parallel(params: list, max_norm: float) -> None:
-    """clip_grad_norm_ refuses a mix of DTensor (sharded weights) and plain (norm weights) gradients: the
-    sharded squares are summed over the tp ranks in one all-reduce, the replicated ones counted once."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    sharded = [p.grad.to_local() for p in params if isinstance(p.grad, DTensor)]
-    replicated = [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
-    squared = torch.stack(torch._foreach_norm(sharded)).pow(2).sum()
-    dist.all_reduce(squared)
-    squared += torch.stack(torch._foreach_norm(replicated)).pow(2).sum()
-    torch.nn.utils.clip_grads_with_norm_(sharded + replicated, max_norm, squared.sqrt())
-
-
-def plain_step_times(row: str, plan, steps: int, seed: int) -> list[float]:
-    """Per-step seconds of the hand-written script for `row` (module docstring), on this rank."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from fivefold.data import GlobalBatchLoader, default_dataset
-    from fivefold.models import build_model, init_weights
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = build_model(plan.model, device="meta")
-    if row == "pp2":  # keep this rank's half of the layers, and the embedding or the head
-        half = plan.model.layers // 2
-        for key in list(model.layers.keys()):
-            if (int(key) < half) != (rank == 0):
-                del model.layers[key]
-        if rank == 0:
-            model.norm = model.output = None
-        else:
-            model.tok_embeddings = None
-    elif row == "tp2":
-        _tensor_parallel_by_hand(model, init_device_mesh("cpu", (world,)))
-    elif row == "zero3":
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-
-        mesh = init_device_mesh("cpu", (world,))
-        for block in model.layers.values():
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_force_sum_reduction_for_comms(True)  # gloo has no AVG
-    model.to_empty(device="cpu")
-    init_weights(model, seed)
-    params = list(model.parameters())
-    if row == "dp2":
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    decay, no_decay = [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=LR, betas=(0.9, 0.95))
-    schedule = None
-    if row == "pp2":
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-        def loss_fn(logits, targets):
-            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-        stage = PipelineStage(model, rank, world, torch.device("cpu"))
-        schedule = Schedule1F1B(stage, n_microbatches=plan.train.global_batch // plan.micro_batch, loss_fn=loss_fn)
-    loader = GlobalBatchLoader(default_dataset(), plan.train.seq_len, plan.train.global_batch, seed)
-    share = plan.train.global_batch // world
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        batch = loader.next_batch()
-        if row in ("dp2", "zero3"):
-            batch = batch[rank * share:(rank + 1) * share]
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        if schedule is None:
-            loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
-            loss.backward()
-            if row == "tp2":
-                _clip_tensor_parallel(params, 1.0)
-            else:
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-        else:
-            losses: list = []
-            if rank == 0:
-                schedule.step(inputs)
-            else:
-                schedule.step(target=targets, losses=losses)
-            grads = [p.grad for p in params if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads)
-            squared = norm ** 2
-            dist.all_reduce(squared)
-            torch.nn.utils.clip_grads_with_norm_(params, 1.0, squared.sqrt())
-            loss = torch.stack(losses).sum() if losses else torch.zeros(())
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss.item()
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def fivefold_step_times(plan, steps: int, seed: int, metrics_file: str, compile_blocks: bool = False) -> list[float]:
-    """Per-step seconds of `fivefold train` for `plan` (rank 0's metrics file; other ranks get [])."""
+def fivefold_step_times(plan, steps: int, seed: int, metrics_file: str, compile_blocks: bool = False
+                        ) -> tuple[list[float], list[float]]:
+    """Per-step seconds and losses of `fivefold train` for `plan` (rank 0's metrics file; other ranks get [])."""
     import dataclasses
 
     import torch.distributed as dist
@@ -184,14 +77,15 @@ def fivefold_step_times(plan, steps: int, seed: int, metrics_file: str, compile_
     from fivefold.runtime import RunConfig
     from fivefold.runtime.train import train
 
-    config = RunConfig(plan.to_toml(), steps=steps, seed=seed, lr=LR, device="cpu", show_progress=False,
-                       metrics_file=metrics_file)
+    config = RunConfig(plan.to_toml(), steps=steps, seed=seed, lr=LR, warmup_steps=2, device="cpu",
+                       show_progress=False, metrics_file=metrics_file)
     if compile_blocks:
         config = dataclasses.replace(config, compile=True)
     train(config)
     if dist.get_rank() != 0:
-        return []
-    return [json.loads(line)["step_time_s"] for line in Path(metrics_file).read_text().splitlines()]
+        return [], []
+    records = [json.loads(line) for line in Path(metrics_file).read_text().splitlines()]
+    return [r["step_time_s"] for r in records], [r["loss"] for r in records]
 
 
 def bench_worker(jobs: list[dict]) -> list[dict]:
@@ -209,20 +103,23 @@ def bench_worker(jobs: list[dict]) -> list[dict]:
     try:
         for job in jobs:
             plan = plan_from_dict(tomllib.loads(job["plan"]))
-            runs = {}
+            runs, losses = {}, {}
             order = ("plain", "fivefold") if job["round"] % 2 == 0 else ("fivefold", "plain")
             for side in order:
                 dist.barrier()
                 if job["row"] == "compile":
-                    runs[side] = fivefold_step_times(plan, job["steps"], job["round"], job["metrics"] + side,
-                                                     compile_blocks=side == "fivefold")
+                    runs[side], losses[side] = fivefold_step_times(
+                        plan, job["steps"], job["round"], job["metrics"] + side, compile_blocks=side == "fivefold")
                 elif side == "plain":
-                    runs[side] = plain_step_times(job["row"], plan, job["steps"], job["round"])
+                    runs[side], losses[side] = plain_step_times(job["row"], plan, job["steps"], job["round"])
                 else:
-                    runs[side] = fivefold_step_times(plan, job["steps"], job["round"], job["metrics"])
-            out.append({**job, **{side: statistics.median(times[job["warmup"]:]) for side, times in runs.items()
-                                  if times},
-                        **{f"{side}_min": min(times[job["warmup"]:]) for side, times in runs.items() if times}})
+                    runs[side], losses[side] = fivefold_step_times(plan, job["steps"], job["round"], job["metrics"])
+            if dist.get_rank() != 0:
+                continue
+            loss_gap = max(abs(a - b) / abs(b) for a, b in zip(losses["fivefold"], losses["plain"]))
+            out.append({**job, **{side: statistics.median(times[job["warmup"]:]) for side, times in runs.items()},
+                        **{f"{side}_min": min(times[job["warmup"]:]) for side, times in runs.items()},
+                        "loss_gap": loss_gap})
     finally:
         dist.destroy_process_group()
     return out
@@ -277,7 +174,7 @@ def main() -> int:
           f"{args.rounds} rounds of {args.steps} steps ({args.warmup} warm-up); load average (1/5/15 min) "
           f"before / between / after: {' | '.join(loads)}; {minutes:.1f} min")
     table = [("parallelism", "plain PyTorch", "fivefold", "ratio (median of rounds)", "per round",
-              "ratio of fastest steps")]
+              "ratio of fastest steps", "loss gap")]
     worst = 0.0
     for row in rows:
         mine = [r for r in results if r["row"] == row]
@@ -290,7 +187,8 @@ def main() -> int:
                       f"{statistics.median(r['plain'] for r in mine) * 1e3:.0f} ms ({plain_name})",
                       f"{statistics.median(r['fivefold'] for r in mine) * 1e3:.0f} ms", f"{ratio:.3f}",
                       " ".join(f"{x:.3f}" for x in ratios),
-                      f"{min(r['fivefold_min'] for r in mine) / min(r['plain_min'] for r in mine):.3f}"))
+                      f"{min(r['fivefold_min'] for r in mine) / min(r['plain_min'] for r in mine):.3f}",
+                      f"{max(r['loss_gap'] for r in mine):.1e}"))
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     for line in table:
         print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)))
