@@ -110,9 +110,12 @@ def moe_tensor_parallel_style(sequence_parallel: bool) -> PrepareModuleInputOutp
                                     desired_output_layouts=(Shard(1),), use_local_output=True)
 
 
-def prepare_moe(model: nn.Module, plan: Plan, mesh: DeviceMesh | None, param_dtype: torch.dtype | None) -> None:
+def prepare_moe(model: nn.Module, plan: Plan, mesh: DeviceMesh | None, param_dtype: torch.dtype | None,
+                under_ddp: bool = False) -> None:
     """Before data parallelism wraps the blocks: the auxiliary loss scale, and under ep > 1 the experts
-    sharded over ep and wrapped for expert data parallelism over edp."""
+    sharded over ep and wrapped for expert data parallelism over edp. `under_ddp`: the model runs under
+    DistributedDataParallel (parallelize.uses_ddp: edp = 1), which leaves the experts alone, so they need
+    no wrapper."""
     for block in moe_blocks(model):
         block.aux_loss_scale = 1.0 / (plan.model.moe_layers * plan.train.global_batch)
     if plan.ep == 1:
@@ -125,7 +128,7 @@ def prepare_moe(model: nn.Module, plan: Plan, mesh: DeviceMesh | None, param_dty
             sharded = distribute_tensor(param.data, mesh["ep"], [Shard(0)], src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(sharded))
         block.dispatcher = AllToAllDispatch(group, plan.ep, plan.model.experts)
-        if plan.dp * plan.cp > 1:
+        if plan.dp * plan.cp > 1 and not under_ddp:
             _wrap_expert_data_parallel(experts, mesh["edp"], plan.zero, param_dtype)
 
 

@@ -188,9 +188,11 @@ class AsyncReduceScatter(DefaultReduceScatter):
 
 
 def uses_ddp(plan, device: torch.device) -> bool:
-    """zero 0 over plain dp on CPU runs under DistributedDataParallel (module docstring)."""
-    return device.type == "cpu" and plan.dp > 1 and plan.zero == 0 and plan.tp == plan.pp == plan.cp == 1 and \
-        not plan.model.is_moe  # expert weights reduce over their own group (runtime/moe.py)
+    """zero 0 over dp x cp without tp/pp on CPU runs under DistributedDataParallel (module docstring). With
+    experts sharded over ep, only when ep spans all of dp x cp: each rank then holds the only copy of its
+    experts (no expert replicas to reduce), and DDP leaves them out (wrap_ddp)."""
+    return device.type == "cpu" and plan.dp * plan.cp > 1 and plan.zero == 0 and plan.tp == plan.pp == 1 and \
+        plan.ep in (1, plan.dp * plan.cp)
 
 
 def _sum_gradients(group, bucket):  # no annotations: DDP checks them, and this module's are strings
@@ -200,8 +202,14 @@ def _sum_gradients(group, bucket):  # no annotations: DDP checks them, and this 
 
 
 def wrap_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
-    """The module the loop calls: `model` under DDP (after its weights are initialised: DDP broadcasts them
-    from rank 0 when it is built). `model` itself keeps the parameters, names and hooks."""
+    """The module the loop calls: `model` under DDP over `dp_mesh` (dp, or dp x cp flattened) after its
+    weights are initialised (DDP broadcasts them from rank 0 when it is built). `model` itself keeps the
+    parameters, names and hooks. DTensor parameters (experts sharded over ep, uses_ddp) are left out: each
+    is this rank's own shard, summed over every rank's tokens by the all-to-all already."""
+    from torch.distributed.tensor import DTensor
+
+    own = [name for name, param in model.named_parameters() if isinstance(param, DTensor)]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, own)
     group = dp_mesh.get_group()
     ddp = DistributedDataParallel(model, process_group=group, forward_sync_buffers=False)  # buffers are seeded alike
     ddp.register_comm_hook(group, _sum_gradients)

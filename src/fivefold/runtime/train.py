@@ -77,6 +77,7 @@ def build_model_parts(plan: Plan, mesh: Mesh, seed: int, param_dtype: torch.dtyp
     parts = {}
     moe_mesh = expert_mesh(plan, mesh.device) if plan.ep > 1 else None
     dp_mesh = data_parallel_mesh(mesh.world, plan) if plan.dp * plan.cp > 1 else None
+    under_ddp = cpu_overlap and uses_ddp(plan, mesh.device)
     for stage in plan.stages_of(mesh.coords["pp"]):
         model = knobs.stage_model(build_stage_model(plan, stage), plan, mesh.rank)
         if plan.tp > 1:
@@ -87,8 +88,8 @@ def build_model_parts(plan: Plan, mesh: Mesh, seed: int, param_dtype: torch.dtyp
         if compile_blocks:
             apply_compile(model)
         if plan.model.is_moe:
-            prepare_moe(model, plan, moe_mesh, param_dtype)  # experts over ep, before dp wraps the blocks
-        if dp_mesh is not None and not (cpu_overlap and uses_ddp(plan, mesh.device)):  # summed over dp x cp
+            prepare_moe(model, plan, moe_mesh, param_dtype, under_ddp)  # experts over ep, before dp wraps the blocks
+        if dp_mesh is not None and not under_ddp:  # summed over dp x cp
             apply_data_parallel(model, dp_mesh, plan.zero, param_dtype, overlap_on_cpu=cpu_overlap)
         model.to_empty(device=mesh.device)
         init_weights(model, seed)
@@ -199,7 +200,8 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
     autocast = (torch.autocast(device.type, dtype=param_dtype) if param_dtype is not None and plan.dp == 1
                 else contextlib.nullcontext())
     step_model = StepModel(plan, device, parts, loss_fn, micro_batches, schedule, tracer, autocast,
-                           wrap_ddp(parts[0], mesh["dp"]) if uses_ddp(plan, device) else None)
+                           wrap_ddp(parts[0], data_parallel_mesh(mesh.world, plan)) if uses_ddp(plan, device)
+                           else None)
     rows = replica_rows(plan, dp_rank)
     end_of_document = end_of_document_of(config, loader) if plan.train.document_mask else None
 
