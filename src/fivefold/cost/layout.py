@@ -202,8 +202,22 @@ def _build_rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
     return envs
 
 
+_LAYER_COSTS_OF_ENV: IdentityCache[LayerCosts] = IdentityCache(20000)  # the same, by rank env: a cheaper key
+
+
 def layer_costs(layout: Layout, env: RankEnv, stack: SoftwareStack) -> LayerCosts:
     """The PassCosts and bytes of one layer, the embedding and the head on a rank like `env`, cached."""
+    train = layout.train
+    key = (layout.model, train.seq_len, layout.micro_batch, layout.tp, layout.cp, layout.ep, layout.sequence_parallel,
+           layout.recompute, train.expert_imbalance, layout.cp_method, stack)
+    cached = _LAYER_COSTS_OF_ENV.get(env, key)
+    if isinstance(cached, LayerCosts):
+        return cached
+    return _LAYER_COSTS_OF_ENV.put(env, key, _layer_costs(layout, env, stack))
+
+
+def _layer_costs(layout: Layout, env: RankEnv, stack: SoftwareStack) -> LayerCosts:
+    """layer_costs, cached on the values the costs depend on (ranks on equal devices and links share them)."""
     shape = LayerShape(layout.model, layout.train.seq_len, layout.micro_batch, layout.tp, layout.cp, layout.ep,
                        layout.sequence_parallel, layout.recompute, layout.train.expert_imbalance,
                        cp_method=layout.cp_method)
@@ -255,6 +269,42 @@ def stage_params(layout: Layout, layers: int, first: bool, last: bool,
     return dense, expert
 
 
+class GroupWork(NamedTuple):
+    """What a pipeline rank's layers, ends of the model and stage models cost for one micro-batch."""
+
+    cost: PassCost
+    work: tuple[float, float, float]  # (F, B with recompute, W)
+    dense: float  # parameters, as stage_params
+    expert: float
+    activation: float  # bytes stored per in-flight micro-batch
+
+
+# Keyed by the LayerCosts object: the planner builds the same groups for every ZeRO level of a split.
+_GROUP_WORK: IdentityCache[GroupWork] = IdentityCache(20000)
+
+
+def group_work(layout: Layout, costs: LayerCosts, layers: int, first: bool, last: bool, chunks: int,
+               extra_activation: float, extra: PassCost = ZERO_PASS) -> GroupWork:
+    """The GroupWork of a rank with `layers` layers in `chunks` stage models, plus `extra` (cached)."""
+    key = (layout.model, layout.tp, layout.ep, layers, first, last, chunks, extra_activation, extra)
+    cached = _GROUP_WORK.get(costs, key)
+    if isinstance(cached, GroupWork):
+        return cached
+    layer, embedding, head, activation, _, per_chunk = costs
+    cost = layer.scaled(layers) + per_chunk.scaled(chunks)
+    if extra is not ZERO_PASS:  # host.split_backward_host's (profiled CPU ranks only: off the planner's path)
+        cost = cost + extra
+    if first:
+        cost = cost + embedding
+    if last:
+        cost = cost + head
+    # Stage params are linear in layers, so the rank's sum is one call with its totals.
+    dense, expert = stage_params(layout, layers, first, last, holds_embedding=first)
+    return _GROUP_WORK.put(costs, key, GroupWork(
+        cost, (cost.forward, cost.backward_input + cost.recompute, cost.backward_weight), dense, expert,
+        layers * activation + (extra_activation if first else 0.0)))
+
+
 class RankGroup:
     """Pipeline ranks that do identical work: same layers, same ends of the model, same device."""
 
@@ -264,18 +314,7 @@ class RankGroup:
     def __init__(self, layout: Layout, stack: SoftwareStack, env: RankEnv, costs: LayerCosts, layers: int,
                  first: bool, last: bool, chunks: int, extra_activation: float, extra: PassCost = ZERO_PASS
                  ) -> None:
-        layer, embedding, head, activation, _, per_chunk = costs
         self.ranks: list[int] = []  # shared with the cached pipeline shape: never mutate
         self.env, self.layers, self.first, self.last, self.chunks = env, layers, first, last, chunks
-        cost = layer.scaled(layers) + per_chunk.scaled(chunks)
-        if extra is not ZERO_PASS:  # host.split_backward_host's (profiled CPU ranks only: off the planner's path)
-            cost = cost + extra
-        if first:
-            cost = cost + embedding
-        if last:
-            cost = cost + head
-        self.cost = cost
-        self.work = (cost.forward, cost.backward_input + cost.recompute, cost.backward_weight)
-        # Stage params are linear in layers, so the rank's sum is one call with its totals.
-        self.dense, self.expert = stage_params(layout, layers, first, last, holds_embedding=first)
-        self.activation = layers * activation + (extra_activation if first else 0.0)
+        self.cost, self.work, self.dense, self.expert, self.activation = group_work(
+            layout, costs, layers, first, last, chunks, extra_activation, extra)
