@@ -25,7 +25,6 @@ The orders here follow the loop that actually runs.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from functools import lru_cache
 from typing import NamedTuple, Sequence
 
@@ -126,36 +125,38 @@ def _looped(rank: int, pp: int, local_stages: int, micro_batches: int, zero_bubb
     hop_factor = 1 if zero_bubble else 2
     warmup = min((local_stages - 1) * per_round + hop_factor * (pp - 1 - rank), total)
 
-    def forward_stage(step: int) -> int:
-        return ((step // per_round) % local_stages) * pp + rank
+    def backward_chunk(step: int) -> int:
+        return local_stages - 1 - ((step - warmup) // per_round) % local_stages
 
-    def backward_stage(step: int) -> int:
-        return (local_stages - 1 - ((step - warmup) // per_round) % local_stages) * pp + rank
-
-    next_micro: dict[tuple[str, int], int] = defaultdict(int)
-
-    def take(kind: str, stage: int) -> Action:
-        index = next_micro[kind, stage]
-        next_micro[kind, stage] = index + 1
-        return Action(kind, stage, index)
-
+    # The next micro-batch of each local stage per kind of action; chunk c is stage c * pp + rank. (The
+    # 1T plan's walk builds ~400k actions, so the loop stays flat.)
+    forwards, backwards, weights = [0] * local_stages, [0] * local_stages, [0] * local_stages
     backward_kind = BACKWARD_INPUT if zero_bubble else BACKWARD
     actions: list[Action] = []
     backward_steps: list[int] = []  # the op index of each backward so far, in order: W follows it
     weights_done = 0
+
+    def take_weight(chunk: int) -> Action:
+        weights[chunk] += 1
+        return Action(BACKWARD_WEIGHT, chunk * pp + rank, weights[chunk] - 1)
+
     for step in range(total + warmup):  # warmup forwards, steady F+B pairs, cooldown backwards
         if step < total:
-            actions.append(take(FORWARD, forward_stage(step)))
+            chunk = (step // per_round) % local_stages
+            actions.append(Action(FORWARD, chunk * pp + rank, forwards[chunk]))
+            forwards[chunk] += 1
             if step < warmup:
                 continue
-        actions.append(take(backward_kind, backward_stage(step)))
+        chunk = backward_chunk(step)
+        actions.append(Action(backward_kind, chunk * pp + rank, backwards[chunk]))
+        backwards[chunk] += 1
         backward_steps.append(step)
         if zero_bubble and step - warmup >= rank:
-            actions.append(take(BACKWARD_WEIGHT, backward_stage(backward_steps[weights_done])))
+            actions.append(take_weight(backward_chunk(backward_steps[weights_done])))
             weights_done += 1
     if zero_bubble:
         for step in backward_steps[weights_done:]:
-            actions.append(take(BACKWARD_WEIGHT, backward_stage(step)))
+            actions.append(take_weight(backward_chunk(step)))
     return actions
 
 

@@ -218,7 +218,9 @@ def _balanced(layers: int, stages: int, first_extra: float, last_extra: float, o
         return None
     busy[owners[0]] += first_extra
     busy[owners[-1]] += last_extra
-    stages_of = [[i for i in range(stages) if owners[i] == r] for r in range(ranks)]
+    stages_of: list[list[int]] = [[] for _ in range(ranks)]  # each rank's stages, in model order
+    for stage, rank in enumerate(owners):
+        stages_of[rank].append(stage)
     middle = (ranks - 1) / 2
     heap = [(busy[r] + cost[r], abs(r - middle), r) for r in range(ranks)
             if max_layers is None or held[r] < max_layers[r]]

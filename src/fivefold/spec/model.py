@@ -139,6 +139,8 @@ class ModelSpec:
 
     @property
     def sliding_layers(self) -> int:
+        if self.sliding_window <= 0:  # no window: no layer to count (the planner asks ~10^3 times)
+            return 0
         return sum(self.is_sliding_layer(i) for i in range(self.layers))
 
     def is_moe_layer(self, layer: int) -> bool:
