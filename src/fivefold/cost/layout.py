@@ -185,8 +185,9 @@ def _build_rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
                              for start in itertools.islice(starts, looked_at)])
 
         tp, cp, ep = layout.tp, layout.cp, layout.ep
-        # the first rank of every tp group of this pipeline rank: one per (dp, cp) replica
-        replicas = [layout.rank_of(pp=pp_rank, dp=i, cp=j) for i in range(layout.dp) for j in range(cp)]
+        # the first rank of every tp group of this pipeline rank, one per (dp, cp) replica in (dp, cp) order:
+        # tp is the innermost mesh dim, so every tp-th rank of the block
+        replicas = block[::tp]
         tp_link = links_of(1, tp, replicas)
         cp_link = links_of(tp, cp, (layout.rank_of(pp=pp_rank, dp=i, tp=t) for i in range(layout.dp)
                                     for t in range(tp)))
