@@ -338,3 +338,21 @@ def test_without_host_costs_nothing_changes():
     catalog = Device(without.cluster.groups[0].device, "fp32", without.cluster.groups[0].calibration)
     assert calibrated.latency == 0.0 and catalog.latency == 20e-6
     assert calibrated.bandwidth == pytest.approx(20e9) and catalog.bandwidth == pytest.approx(0.6 * 20e9)
+
+
+def test_cost_model_and_runtime_agree_on_which_plans_run_under_ddp() -> None:
+    import torch
+
+    from fivefold.cost.host import ddp_on_cpu
+    from fivefold.cost.layout import Layout
+    from fivefold.runtime.parallelize import uses_ddp
+    from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
+
+    train = TrainSpec(seq_len=64, global_batch=8, dtype="fp32")
+    cases = [("tiny", dict(dp=4)), ("tiny", dict(dp=2, cp=2)), ("tiny", dict(dp=2, cp=2, zero=1)),
+             ("tiny", dict(dp=2, tp=2)), ("tiny", dict(dp=2, pp=2)), ("tiny", dict(dp=2, tp=2, zero=1)),
+             ("tiny-moe", dict(dp=4)), ("tiny-moe", dict(dp=4, ep=4)), ("tiny-moe", dict(dp=4, ep=2)),
+             ("tiny-moe", dict(dp=2, cp=2, ep=4))]
+    for model, fields in cases:
+        plan = Plan(model=PRESETS[model], cluster=parse_cluster("1x4xcpu"), train=train, **fields)
+        assert ddp_on_cpu(Layout.of_plan(plan)) == uses_ddp(plan, torch.device("cpu")), (model, fields)

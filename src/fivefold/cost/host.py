@@ -18,10 +18,11 @@ NO_TP_COLLECTIVES = TensorParallelCollectives(0, 0, 0, 0, 0, 0)
 
 
 def ddp_on_cpu(layout: Layout) -> bool:
-    """The runtime runs ZeRO-0 data parallelism without tp/pp/cp under DistributedDataParallel on CPU
-    (runtime/parallelize.py uses_ddp): buckets of gradients, no per-module FSDP hooks or collectives."""
-    return layout.dp > 1 and layout.zero == 0 and layout.tp == layout.pp == layout.cp == 1 and \
-        not layout.model.is_moe
+    """The runtime runs ZeRO-0 over dp x cp without tp/pp under DistributedDataParallel on CPU
+    (runtime/parallelize.py uses_ddp): buckets of gradients, no per-module FSDP hooks or collectives. A MoE
+    model too when ep is 1 or spans all of dp x cp (each rank then holds the only copy of its experts)."""
+    replicas = layout.dp * layout.cp
+    return replicas > 1 and layout.zero == 0 and layout.tp == layout.pp == 1 and layout.ep in (1, replicas)
 
 
 def _host_pass(forward: float, backward: float, recompute: bool) -> PassCost:
