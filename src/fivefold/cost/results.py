@@ -85,7 +85,8 @@ class Estimate:
 
 @dataclass(frozen=True)
 class Score:
-    """What the planner ranks by: estimate_layout(..., detail=False)."""
+    """What the planner ranks by: score_layout, the step without per-stage detail (step_time_s is inf for a
+    layout the planner asked to time only if it fits and that does not)."""
 
     step_time_s: float
     peak_bytes: float  # the highest per-rank peak

@@ -215,8 +215,7 @@ def _best_placement(ctx: _Context, signature: tuple, sequence_parallel: bool, re
 
 def _costed(ctx: _Context, memo: dict, signature: tuple, sequence_parallel: bool, rc: str, zero: int,
             option: PlacementOption | None, timed: bool = True) -> tuple[Score, Layout] | None:
-    """Score and layout of one variant in one placement with the balanced split (None: no valid split);
-    not `timed`: when it does not fit, its step time is not computed (inf)."""
+    """Score and layout of one variant in one placement with the balanced split (None: no valid split)."""
     key = (option, rc, zero, timed)
     if key not in memo:
         split_key = (option, rc)
@@ -253,8 +252,7 @@ def _best_variant(ctx: _Context, memo: dict, signature: tuple, sequence_parallel
     if refit[0].fits:
         fitting.append((refit[0], variants[0], refit[1]))
     if len(variants) > 1:
-        # Past the fastest variant only the ones that fit need a step time.
-        leanest = costed(variants[-1], timed=False)
+        leanest = costed(variants[-1], timed=False)  # past the fastest, only variants that fit need a time
         leanest = leanest and _fit_memory(ctx, *leanest)
         if leanest is not None and leanest[0].fits:
             fitting.append((leanest[0], variants[-1], leanest[1]))
