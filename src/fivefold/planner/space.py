@@ -230,7 +230,7 @@ def _balanced(layers: int, stages: int, first_extra: float, last_extra: float, o
             return None
         _, distance, rank = heapq.heappop(heap)
         mine = stages_of[rank]
-        stage = mine[0] if len(mine) == 1 else min(mine, key=lambda i: (counts[i], i))
+        stage = mine[0] if len(mine) == 1 else min(mine, key=counts.__getitem__)  # fewest layers, first of ties
         counts[stage] += 1
         held[rank] += 1
         busy[rank] += cost[rank]
