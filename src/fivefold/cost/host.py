@@ -12,17 +12,15 @@ from fivefold.cost.layer import ZERO_PASS, PassCost
 from fivefold.cost.layout import Layout, LayerCosts, RankEnv
 from fivefold.cost.stack import (COMPILED_BLOCK_OPS, SoftwareStack, TensorParallelCollectives, eager_ops,
                                  tensor_parallel_collectives)
-from fivefold.spec.plan import SPLIT_BACKWARD
+from fivefold.spec.plan import SPLIT_BACKWARD, reduced_by_ddp
 
 NO_TP_COLLECTIVES = TensorParallelCollectives(0, 0, 0, 0, 0, 0)
 
 
 def ddp_on_cpu(layout: Layout) -> bool:
-    """The runtime runs ZeRO-0 over dp x cp without tp/pp under DistributedDataParallel on CPU
-    (runtime/parallelize.py uses_ddp): buckets of gradients, no per-module FSDP hooks or collectives. A MoE
-    model too when ep is 1 or spans all of dp x cp (each rank then holds the only copy of its experts)."""
-    replicas = layout.dp * layout.cp
-    return replicas > 1 and layout.zero == 0 and layout.tp == layout.pp == 1 and layout.ep in (1, replicas)
+    """The runtime runs this layout under DistributedDataParallel on CPU (spec.plan.reduced_by_ddp): buckets
+    of gradients, no per-module FSDP hooks or collectives."""
+    return reduced_by_ddp(layout.dp, layout.cp, layout.tp, layout.pp, layout.zero, layout.ep)
 
 
 def _host_pass(forward: float, backward: float, recompute: bool) -> PassCost:

@@ -49,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from fivefold.models import MoE, Transformer
+from fivefold.spec.plan import reduced_by_ddp
 
 
 # --- tensor parallel -------------------------------------------------------------------------------
@@ -188,11 +189,9 @@ class AsyncReduceScatter(DefaultReduceScatter):
 
 
 def uses_ddp(plan, device: torch.device) -> bool:
-    """zero 0 over dp x cp without tp/pp on CPU runs under DistributedDataParallel (module docstring). With
-    experts sharded over ep, only when ep spans all of dp x cp: each rank then holds the only copy of its
-    experts (no expert replicas to reduce), and DDP leaves them out (wrap_ddp)."""
-    return device.type == "cpu" and plan.dp * plan.cp > 1 and plan.zero == 0 and plan.tp == plan.pp == 1 and \
-        plan.ep in (1, plan.dp * plan.cp)
+    """On CPU, the layouts spec.plan.reduced_by_ddp names run under DistributedDataParallel (module
+    docstring); experts sharded over ep are then each rank's own, and DDP leaves them out (wrap_ddp)."""
+    return device.type == "cpu" and reduced_by_ddp(plan.dp, plan.cp, plan.tp, plan.pp, plan.zero, plan.ep)
 
 
 def _sum_gradients(group, bucket):  # no annotations: DDP checks them, and this module's are strings

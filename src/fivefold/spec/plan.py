@@ -43,6 +43,15 @@ def stage_owners(schedule: str, pp: int, virtual_stages: int) -> tuple[int, ...]
     return tuple(stage_owner(schedule, pp, stage) for stage in range(pp * virtual_stages))
 
 
+def reduced_by_ddp(dp: int, cp: int, tp: int, pp: int, zero: int, ep: int) -> bool:
+    """Whether fivefold's runtime on CPU reduces this layout's gradients with DistributedDataParallel
+    (bucketed, overlapped with backward) instead of FSDP2 / replicate per module: ZeRO-0 over dp x cp without
+    tp or pp, with experts either replicated (ep 1) or each rank's own (ep = dp*cp, no expert replicas).
+    runtime/parallelize.py runs it and cost/host.py costs it, both from this rule."""
+    replicas = dp * cp
+    return replicas > 1 and zero == 0 and tp == pp == 1 and ep in (1, replicas)
+
+
 def mesh_rank(dp_size: int, cp_size: int, tp_size: int, pp: int, dp: int, cp: int, tp: int) -> int:
     """The global rank at mesh coordinate (pp, dp, cp, tp) of a mesh with those dp, cp and tp sizes."""
     return ((pp * dp_size + dp) * cp_size + cp) * tp_size + tp
