@@ -132,26 +132,18 @@ def _heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> 
     return received.permute(2, 1, 0, 3, 4).reshape(batch, seq, size * heads, dim)
 
 
-class SequenceToHeads(torch.autograd.Function):
+class UlyssesAllToAll(torch.autograd.Function):
+    """Sequence shards to head shards (`to_heads`) or back; each direction's backward is the other one."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-        ctx.group, ctx.size = group, size
-        return _sequence_to_heads(x, group, size)
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int, to_heads: bool) -> torch.Tensor:
+        ctx.group, ctx.size, ctx.to_heads = group, size, to_heads
+        return (_sequence_to_heads if to_heads else _heads_to_sequence)(x, group, size)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _heads_to_sequence(grad.contiguous(), ctx.group, ctx.size), None, None
-
-
-class HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-        ctx.group, ctx.size = group, size
-        return _heads_to_sequence(x, group, size)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _sequence_to_heads(grad.contiguous(), ctx.group, ctx.size), None, None
+        undo = _heads_to_sequence if ctx.to_heads else _sequence_to_heads
+        return undo(grad.contiguous(), ctx.group, ctx.size), None, None, None
 
 
 # --- attention -------------------------------------------------------------------------------------
@@ -177,9 +169,9 @@ class ContextParallelAttention:
                  documents: torch.Tensor | None) -> torch.Tensor:
         key_positions, key_documents = self._gather_layout(positions, documents)
         if self.method == "ulysses":
-            q, k, v = (SequenceToHeads.apply(t, self.group, self.size) for t in (q, k, v))
+            q, k, v = (UlyssesAllToAll.apply(t, self.group, self.size, True) for t in (q, k, v))
             mask = visible(key_positions, key_positions, key_documents, key_documents)
-            return HeadsToSequence.apply(attend(q, k, v, mask), self.group, self.size)
+            return UlyssesAllToAll.apply(attend(q, k, v, mask), self.group, self.size, False)
         # One collective for K and V together: concatenated on the head-dim axis.
         kv = GatherSequence.apply(torch.cat([k, v], dim=-1), self.group, self.size)
         k_all, v_all = kv.split(k.shape[-1], dim=-1)
