@@ -90,26 +90,36 @@ class _Timer:
 
     def passes(self, model: torch.nn.Module, inputs: torch.Tensor) -> tuple[float, float]:
         """(forward, backward) seconds of one pass of `model`."""
+        def once() -> tuple[float, float]:
+            begin = time.perf_counter()
+            loss = _loss(model, inputs)
+            middle = time.perf_counter()
+            loss.backward()
+            return middle - begin, time.perf_counter() - middle
+
+        forward, backward = self.parts(once)
+        return forward, backward
+
+    def parts(self, once: Callable[[], tuple[float, ...]]) -> tuple[float, ...]:
+        """Medians over the batches of the per-call seconds of each part `once` times and returns, each batch
+        stretched up to the last rank's end (line_up) in proportion to this rank's own time; the first call
+        warms up (lazy init, first-call caches) and sets the loop count."""
         start = time.perf_counter()
-        _loss(model, inputs).backward()  # warm-up: lazy init, first-call caches
+        once()
         count = self.loops(time.perf_counter() - start)
-        forwards, backwards = [], []
+        samples = []
         for _ in range(self.repeats):
-            forward = backward = 0.0
+            totals: list[float] | None = None
             self.line_up()
-            start = time.perf_counter()
+            begin = time.perf_counter()
             for _ in range(count):
-                begin = time.perf_counter()
-                loss = _loss(model, inputs)
-                middle = time.perf_counter()
-                loss.backward()
-                forward += middle - begin
-                backward += time.perf_counter() - middle
+                timed = once()
+                totals = list(timed) if totals is None else [a + b for a, b in zip(totals, timed)]
+            own = time.perf_counter() - begin
             self.line_up()
-            batch = time.perf_counter() - start  # up to the last rank's end: split as this rank's passes
-            forwards.append(batch * forward / (forward + backward) / count)
-            backwards.append(batch * backward / (forward + backward) / count)
-        return statistics.median(forwards), statistics.median(backwards)
+            stretch = (time.perf_counter() - begin) / own
+            samples.append([stretch * total / count for total in totals or ()])
+        return tuple(statistics.median(column) for column in zip(*samples))
 
     def call(self, work: Callable[[], object]) -> float:
         """Seconds of one call of `work`."""
@@ -188,7 +198,7 @@ def _split_backward_extra(layers: int, timer: _Timer) -> float:
     grad = torch.randn_like(hidden)
     positions = torch.arange(PROBE_TOKENS[1])
 
-    def both() -> tuple[float, float]:
+    def extra() -> tuple[float]:
         stage_input = hidden.clone().requires_grad_(True)
         output = model(stage_input, positions=positions)
         begin = time.perf_counter()
@@ -201,24 +211,9 @@ def _split_backward_extra(layers: int, timer: _Timer) -> float:
         stage_backward_weight(model.parameters(), groups)
         split = time.perf_counter() - begin
         model.zero_grad(set_to_none=True)
-        return full, split
+        return (split - full,)
 
-    start = time.perf_counter()
-    both()  # warm-up
-    count = timer.loops(time.perf_counter() - start)
-    samples = []
-    for _ in range(timer.repeats):
-        fulls = splits = 0.0
-        timer.line_up()
-        begin = time.perf_counter()
-        for _ in range(count):
-            full, split = both()
-            fulls, splits = fulls + full, splits + split
-        own = time.perf_counter() - begin
-        timer.line_up()
-        stretch = (time.perf_counter() - begin) / own  # up to the last rank's end, as in _Timer
-        samples.append(stretch * (splits - fulls) / count)
-    return max(0.0, statistics.median(samples))
+    return max(0.0, timer.parts(extra)[0])
 
 
 SPLIT_PROBE_LAYERS = 4  # with 1 layer: the per-layer and the per-pair terms apart (4 a + 6 b against a)
