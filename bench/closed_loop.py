@@ -1,11 +1,11 @@
 """The closed loop on this machine: profile it, plan, train, and compare predicted with measured step time.
 
     .venv/bin/python bench/closed_loop.py [--models tiny,small] [--procs 1,2,4] [--steps 8] [--threads 1]
-                                          [--repeats 1] [--quiet-load 1.5] [--write docs/validation.md]
+                                          [--repeats 1] [--quick-profile] [--quiet-load 1.5] [--write docs/validation.md]
 
 For every process count N (1, 2, 4), one after another:
-1. `fivefold profile --quick` with N ranks: GEMMs, memory bandwidth and the eager runtime's host costs
-   measured by all N ranks at once, collectives over N gloo ranks (profile-N.toml);
+1. `fivefold profile` (`--quick` with --quick-profile) with N ranks: GEMMs, memory bandwidth and the eager
+   runtime's host costs measured by all N ranks at once, collectives over N gloo ranks (profile-N.toml);
 2. for every model, a fixed representative set of plans, each the planner's best of its kind (fivefold
    stack, that profile): for N = 1 the micro-batch sizes; for N > 1 every dp x tp x pp split the runtime
    can run, and for pure data parallelism ZeRO 0, 1 and 3 as well;
@@ -94,7 +94,7 @@ def machine_description() -> str:
     return f"{os.cpu_count()} cores, {model}, torch {torch.__version__}, Python {platform.python_version()}"
 
 
-def profile_files(procs: list[int], folder: Path, reuse: bool) -> dict[int, Path]:
+def profile_files(procs: list[int], folder: Path, reuse: bool, quick: bool) -> dict[int, Path]:
     """profile-N.toml for each process count, measured now unless `reuse` finds them."""
     from fivefold.profile.run import run_profile
 
@@ -103,7 +103,7 @@ def profile_files(procs: list[int], folder: Path, reuse: bool) -> dict[int, Path
         path = folder / f"profile-{n}.toml"
         if not (reuse and path.exists()):
             started = time.perf_counter()
-            run_profile(n, quick=True).save(path)
+            run_profile(n, quick=quick).save(path)
             print(f"profiled {n} process(es) in {time.perf_counter() - started:.0f} s -> {path}", flush=True)
         files[n] = path
     return files
@@ -212,7 +212,8 @@ def run_loop(args: argparse.Namespace) -> tuple[list[Result], dict[int, str]]:
         if args.quiet_load:
             wait_for_quiet(args.quiet_load, args.patience)
         loads[n] = recorded.get(str(n), load_average())
-        profile = profile_files([n], folder, reuse=args.reuse_profiles or args.reuse_runs)[n]
+        profile = profile_files([n], folder, reuse=args.reuse_profiles or args.reuse_runs,
+                                quick=args.quick_profile)[n]
         for model_name in args.models.split(","):
             if args.reuse_runs:  # the plans as trained (their plan.toml), not the planner's picks today
                 first = folder / f"{model_name}-{n}{'-r0' if args.repeats > 1 else ''}"
@@ -277,7 +278,8 @@ def markdown(results: list[Result], args: argparse.Namespace, machine: str, load
              + f"). Machine: {machine}. Load average (1/5/15 min) before each process "
              f"count: " + "; ".join(f"{n}: {load}" for n, load in loads.items() if n != "after")
              + f"; after: {loads['after']}. The whole loop took {minutes:.1f} min.", "",
-             "For each process count N, `fivefold profile --quick` measured the machine with N processes "
+             f"For each process count N, `fivefold profile{' --quick' if args.quick_profile else ''}` measured "
+             "the machine with N processes "
              "working at once; each plan is the planner's best of its kind (fivefold stack, that profile), "
              "predicted with the cost model and trained by `fivefold train`'s launcher.", "",
              f"Step time within 15%: {within} of {len(errors)} plans; mean absolute error "
@@ -338,6 +340,9 @@ def main() -> int:
                              "their median, and the table shows their range")
     parser.add_argument("--out-dir", default="out/closed_loop", help="profiles and run folders")
     parser.add_argument("--reuse-profiles", action="store_true", help="keep profile-N.toml files already there")
+    parser.add_argument("--quick-profile", action="store_true",
+                        help="`fivefold profile --quick` (seconds instead of 1-3 minutes per process count; its "
+                             "2-rank GEMM rates vary by up to 30%% between runs, the full profile's by 2%%)")
     parser.add_argument("--reuse-runs", action="store_true",
                         help="train nothing: predict the plans of the run folders already there with today's cost "
                              "model against what those runs measured (their profiles too)")

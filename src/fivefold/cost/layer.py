@@ -21,7 +21,7 @@ import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from fivefold.cost.comm import GroupLink, all_gather_time, all_reduce_time, all_to_all_time
+from fivefold.cost.comm import GroupLink, all_gather_time, all_reduce_time, all_to_all_time, reduce_scatter_time
 from fivefold.cost.context import context_parallel_comm
 from fivefold.cost.compute import Device, elementwise_time, flash_attention_time, gemm_time
 from fivefold.cost.moe import all_to_all_bytes, routed_rows, split_by_layer_kind
@@ -162,7 +162,11 @@ def _tp_collectives(work: _Work, num_bytes: float, link: GroupLink, sequence_par
     """
     if link.size <= 1:
         return
-    seconds = 2 * all_gather_time(num_bytes, link) if sequence_parallel else all_reduce_time(num_bytes, link)
+    # With SP each direction all-gathers the region's input and reduce-scatters its output (the backward
+    # swaps them); both are costed apart because they are not equal everywhere (on gloo a reduce-scatter
+    # of the same tensor takes 1.5-3x an all-gather's time).
+    seconds = (all_gather_time(num_bytes, link) + reduce_scatter_time(num_bytes, link) if sequence_parallel
+               else all_reduce_time(num_bytes, link))
     if stack.overlap_tp_comm and link.nodes == 1:
         forward_cover = sum(g[0] for g in gemms)
         backward_cover = sum(g[1] + g[2] for g in gemms)
@@ -316,9 +320,11 @@ def embedding_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_l
     # ~12 kernels forward per micro-batch: batch copy to the GPU, position ids, vocab-range masking of
     # the ids for the vocab-parallel lookup, lookup, position add, dropout; ~6 backward (sorted scatter-add).
     work.elementwise(device, 2 * row_bytes + extra, 2 * row_bytes + tokens * m.hidden * 4, 12, 6)
-    if tp_link.size > 1:
-        collective = all_gather_time if shape.sequence_parallel else all_reduce_time
-        work.collective("tp", collective(row_bytes, tp_link), 0.0)
+    if tp_link.size > 1:  # SP: reduce-scatter to sequence shards, and the backward all-gathers the gradient
+        if shape.sequence_parallel:
+            work.collective("tp", reduce_scatter_time(row_bytes, tp_link), all_gather_time(row_bytes, tp_link))
+        else:
+            work.collective("tp", all_reduce_time(row_bytes, tp_link), 0.0)
     return work.finish(stack, "none")
 
 
@@ -329,7 +335,8 @@ def padded_vocab(vocab: int, tp: int) -> int:
 
 
 def head_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link: GroupLink) -> PassCost:
-    """Final norm, LM head GEMM and vocab-parallel cross-entropy on the last stage."""
+    """Final norm, LM head GEMM and cross-entropy on the last stage: vocab-parallel, or on the logits
+    gathered whole (stack.tp_gathers_logits)."""
     m, e, t = shape.model, device.element_bytes, shape.tp
     tokens = shape.micro_batch * shape.seq_len // shape.cp
     norm_tokens = tokens // t if shape.sequence_parallel else tokens
@@ -337,8 +344,9 @@ def head_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link: 
     work = _Work()
     work.elementwise(device, 2 * norm_tokens * m.hidden * e, 3 * norm_tokens * m.hidden * e, 1, 2)
     if tp_link.size > 1 and shape.sequence_parallel:
-        seconds = all_gather_time(tokens * m.hidden * e, tp_link)
-        work.collective("tp", seconds, seconds)
+        # the norm's sequence shards gathered forward, their gradient reduce-scattered backward
+        work.collective("tp", all_gather_time(tokens * m.hidden * e, tp_link),
+                        reduce_scatter_time(tokens * m.hidden * e, tp_link))
     work.gemm(device, tokens, m.hidden, vocab)
     # Cross-entropy in fp32: upcast, max, exp-sum, log-softmax (forward); softmax minus one-hot (backward).
     # Vocab-parallel cross-entropy is a chain of small kernels (max, shift, target masking and gather,
@@ -350,9 +358,13 @@ def head_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link: 
         # exp (8), sum (4), in-place division into the softmax kept for backward (8); backward multiplies
         # the softmax by the loss gradient in place (8) and casts it back to the logits' dtype (4 + e).
         forward_bytes, backward_bytes = e + 36, 12 + e
-    work.elementwise(device, tokens * vocab * forward_bytes, tokens * vocab * backward_bytes, 18, 8)
-    if tp_link.size > 1:
+    gathered = tp_link.size > 1 and stack.tp_gathers_logits
+    if gathered:  # every TP rank gets the whole logits and runs the loss on all of them (its backward: a slice)
+        work.collective("tp", all_gather_time(tokens * m.vocab * e, tp_link), 0.0)
+    loss_vocab = m.vocab if gathered else vocab
+    work.elementwise(device, tokens * loss_vocab * forward_bytes, tokens * loss_vocab * backward_bytes, 18, 8)
+    if tp_link.size > 1 and not gathered:
         work.collective("tp", 3 * all_reduce_time(tokens * 4, tp_link), 0.0)  # max, sum, target logit
-        if not shape.sequence_parallel:
-            work.collective("tp", 0.0, all_reduce_time(tokens * m.hidden * e, tp_link))
+    if tp_link.size > 1 and not shape.sequence_parallel:
+        work.collective("tp", 0.0, all_reduce_time(tokens * m.hidden * e, tp_link))
     return work.finish(stack, "none")
