@@ -71,7 +71,9 @@ class GroupedExperts(nn.Module):
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """`rows` grouped by local expert, counts[i] rows for local expert i."""
-        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        # unbind, not w1[index]: indexing's backward writes a zero-filled gradient of the whole [E, f, h]
+        # stack per expert (E^2 traffic, a third of an MoE step on CPU); unbind's stacks the E slices once.
+        w1, w2, w3 = (_local(w).unbind(0) if w is not None else None for w in (self.w1, self.w2, self.w3))
         outputs = []
         for index, chunk in enumerate(rows.split(counts)):
             if self.swiglu:
@@ -80,7 +82,7 @@ class GroupedExperts(nn.Module):
                 hidden = F.gelu(chunk @ w1[index].T)
             outputs.append(hidden @ w2[index].T)
         if not outputs:
-            return rows.new_zeros(0, w2.shape[1])
+            return rows.new_zeros(0, self.w2.shape[1])
         return torch.cat(outputs)
 
 
