@@ -48,6 +48,8 @@ from fivefold.spec import Plan, TrainSpec, load_plan, parse_cluster, parse_model
 STACK = "fivefold"
 HEADING = "## Closed loop on this machine (bench/closed_loop.py)"
 NEAR_TIE = 0.05  # the predicted-fastest plan "wins" when it is within this of the measured fastest
+# Models by name beyond the presets: an MoE version of `small` (bench/overhead.py's ep2 row), for expert parallel.
+MODELS = {"small-moe": "preset=small,experts=8,top_k=2,expert_ffn_hidden=344,aux_loss_coef=0.01"}
 
 
 @dataclass
@@ -130,17 +132,17 @@ def _best(model, cluster, train, choices: Choices, top: int = 12) -> Plan | None
 
 def representative_plans(model_name: str, cluster_file: Path, train: TrainSpec) -> list[Plan]:
     """Each plan the planner's best of its kind (module docstring), ordered by predicted step time."""
-    model, cluster = parse_model(model_name), parse_cluster(str(cluster_file))
+    model, cluster = parse_model(MODELS.get(model_name, model_name)), parse_cluster(str(cluster_file))
     plans: list[Plan] = []
     if cluster.world_size == 1:
         for micro_batch in sorted({1, 2, 4, train.global_batch} & set(range(1, train.global_batch + 1))):
             if train.global_batch % micro_batch == 0:
                 plans.append(_best(model, cluster, train, Choices(micro_batch=micro_batch)))
     else:
-        for dp, tp, pp, cp, ep in degree_options(model, cluster, train, Choices(cp=1)):
-            zeros = (0, 1, 3) if dp > 1 and tp == pp == 1 else (None,)
+        for dp, tp, pp, cp, ep in degree_options(model, cluster, train, Choices()):
+            zeros = (0, 1, 3) if dp > 1 and tp == pp == cp == 1 and not model.is_moe else (None,)
             for zero in zeros:
-                plans.append(_best(model, cluster, train, Choices(dp=dp, tp=tp, pp=pp, cp=1, zero=zero)))
+                plans.append(_best(model, cluster, train, Choices(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero)))
     unique = {p.describe(): p for p in plans if p is not None}
     from fivefold.cost import estimate
 

@@ -27,6 +27,7 @@ from fivefold.cost.comm import Topology, all_gather_time, all_reduce_time, reduc
 from fivefold.cost.host import ddp_on_cpu
 from fivefold.cost.layer import padded_vocab
 from fivefold.cost.layout import Layout, RankEnv, RankGroup
+from fivefold.cost.moe import moe_share
 from fivefold.cost.stack import DataParallelSync, SoftwareStack, data_parallel_sync
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import SPLIT_BACKWARD
@@ -50,10 +51,16 @@ def parameter_tensors(model: ModelSpec, layers: int, first: bool, last: bool, ho
     """Parameter tensors of a stage (the optimizer's per-tensor work), as fivefold.models builds them:
     per block the q, k, v, o projections (with biases in LayerNorm blocks), the MLP (SwiGLU: three
     matrices; GeLU: two with biases) and two norms (LayerNorm: weight and bias); the embedding tables
-    on the first stage, the final norm and (untied, or tied but elsewhere) the LM head on the last."""
+    on the first stage, the final norm and (untied, or tied but elsewhere) the LM head on the last. An MoE
+    block has the router, the stacked experts' matrices and the shared experts' (no biases) instead of the
+    MLP; a mixed model's stage is counted with its share of MoE blocks."""
     norm_tensors = 2 if model.norm == "layernorm" else 1
     attention = 4 * norm_tensors  # a bias per projection exactly when the norms have one
+    matrices = 3 if model.mlp == "swiglu" else 2
     mlp = 3 if model.mlp == "swiglu" else 4
+    share = moe_share(model)
+    if share > 0:
+        mlp = round(share * (1 + matrices * (1 + (model.shared_experts > 0))) + (1 - share) * mlp)
     tensors = layers * (attention + mlp + 2 * norm_tensors)
     if first:
         tensors += 1 + (model.position == "learned")
@@ -89,7 +96,10 @@ def sync_seconds(layout: Layout, stack: SoftwareStack, env: RankEnv, dense: floa
     """(one gradient reduction, one weight all-gather) of these parameters over the rank's replicas,
     in `modules` equal collectives (stack.collective_per_module: one per wrapped module).
 
-    ZeRO-0 all-reduces the gradients; ZeRO >= 1 reduce-scatters them and all-gathers the weights."""
+    ZeRO-0 all-reduces the gradients; ZeRO >= 1 reduce-scatters them and all-gathers the weights. On a
+    profiled CPU rank FSDP2's copies around each collective go through the same memory as everything else:
+    a gather copies the shard in and the gathered weights out to the parameters, a reduction concatenates
+    the gradients in and the shard out (read and write each, fsdp_copy_seconds)."""
     grad_bytes = stack.gradient_bytes(layout.train.dtype)
     weight_bytes = 4 if layout.train.dtype == "fp32" else 2
     if layout.train.dtype == "fp8" and stack.features.fp8_all_gather and layout.zero == 3:
@@ -102,9 +112,21 @@ def sync_seconds(layout: Layout, stack: SoftwareStack, env: RankEnv, dense: floa
         if layout.zero == 0:
             reduce += modules * all_reduce_time(piece * grad_bytes, link)
         else:
-            reduce += modules * reduce_scatter_time(piece * grad_bytes, link)
-            gather += modules * all_gather_time(piece * weight_bytes, link)
+            reduce += modules * reduce_scatter_time(piece * grad_bytes, link) + fsdp_copy_seconds(
+                stack, env, params * grad_bytes, link.size)
+            gather += modules * all_gather_time(piece * weight_bytes, link) + fsdp_copy_seconds(
+                stack, env, params * weight_bytes, link.size)
     return reduce, gather
+
+
+def fsdp_copy_seconds(stack: SoftwareStack, env: RankEnv, unsharded_bytes: float, ranks: int) -> float:
+    """FSDP2's copy-in and copy-out around one all-gather or reduce-scatter of `unsharded_bytes` over
+    `ranks`, on a rank whose memory the profile measured (CPU, eager host costs): the whole tensor and its
+    shard, each read and written once (all_gather_copy_in + split_with_sizes_copy; chunk_cat + the shard's
+    accumulation)."""
+    if env.device.host is None or not stack.eager_host_costs:
+        return 0.0
+    return 2 * unsharded_bytes * (1 + 1 / ranks) / env.device.bandwidth
 
 
 def tied_embedding_seconds(layout: Layout, stack: SoftwareStack, topology: Topology, first_device: int,

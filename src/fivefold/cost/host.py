@@ -37,7 +37,7 @@ def with_host_costs(layout: Layout, env: RankEnv, stack: SoftwareStack, costs: L
     if host is None or not stack.eager_host_costs:
         return costs
     layer, embedding, head, activation, transient, _ = costs
-    ops = eager_ops(layout.model)
+    ops = eager_ops(layout.model, layout.model.experts // layout.ep if layout.model.is_moe else None)
     tensor_parallel = layout.tp > 1
     op_f = host.dtensor_op_forward if tensor_parallel else host.op_forward
     op_b = host.dtensor_op_backward if tensor_parallel else host.op_backward
@@ -52,7 +52,7 @@ def with_host_costs(layout: Layout, env: RankEnv, stack: SoftwareStack, costs: L
     tokens = layout.micro_batch * layout.train.seq_len / (layout.cp * layout.tp)
     per_element = env.device.element_bytes / env.device.bandwidth
     traffic_f = ops.layer_forward_traffic * tokens * per_element
-    traffic_b = ops.layer_backward_traffic * tokens * per_element
+    traffic_b = (ops.layer_backward_traffic * tokens + ops.layer_backward_fixed / layout.tp) * per_element
     if stack.compiled_blocks:  # inductor fuses the element-wise ops: few kernels, no unfused traffic
         ops = replace(ops, layer_forward=COMPILED_BLOCK_OPS[0], layer_backward=COMPILED_BLOCK_OPS[1])
         traffic_f = traffic_b = 0.0

@@ -68,3 +68,47 @@ def expert_param_share(model: ModelSpec) -> tuple[float, float]:
     experts = model.experts * matrices * model.hidden * model.expert_ffn_hidden * moe_share(model)
     average = model.layer_params_total() / model.layers
     return average - experts, experts
+
+
+# What fivefold's eager MoE block (models/moe.py) dispatches beyond the dense block it replaces, counted with
+# a TorchDispatchMode on torch 2.13 (tests/test_cost_calibration_host.py recounts them): routing, sorting,
+# gathers and the weighted sum (fixed), each local expert's MLP in the Python loop over experts, and a
+# shared-expert MLP; by MLP kind, (forward, backward).
+MOE_FIXED_OPS = {"swiglu": (15, 9), "gelu": (19, 13)}
+MOE_OPS_PER_EXPERT = {"swiglu": (8, 23), "gelu": (5, 14)}
+MOE_SHARED_OPS = {"swiglu": (9, 26), "gelu": (6, 16)}
+MOE_AUX_LOSS_OPS = (14, 13)  # the auxiliary balance loss, when its coefficient is not 0
+MOE_UNNORMALISED_OPS = (-2, -8)  # router_norm_topk off: no renormalisation of the top-k weights
+
+
+def moe_block_ops(model: ModelSpec, local_experts: int) -> tuple[int, int]:
+    """(forward, backward) ops one eager MoE block dispatches beyond the dense block of the same family."""
+    kind = "swiglu" if model.mlp == "swiglu" else "gelu"
+    counts = [MOE_FIXED_OPS[kind], tuple(local_experts * n for n in MOE_OPS_PER_EXPERT[kind]),
+              tuple(model.shared_experts * n for n in MOE_SHARED_OPS[kind])]
+    if model.aux_loss_coef > 0:
+        counts.append(MOE_AUX_LOSS_OPS)
+    if not model.router_norm_topk:
+        counts.append(MOE_UNNORMALISED_OPS)
+    return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
+
+def moe_block_traffic(model: ModelSpec) -> tuple[float, float]:
+    """(forward, backward) elements per token the eager MoE block's element-wise ops move beyond cost/layer.py's
+    fused kernels (the permutes, the experts' activations, the norms and residuals), fitted on the runtime's
+    block like eager_ops' dense formulas (within 1%): per routed copy the row gather, the concatenation of
+    the experts' outputs, the un-permute and the weighted sum (4h forward; 14h backward with SwiGLU's
+    products, 2f / 4f), per shared expert 3h + 2f / 6h + 4f, and the dense block's norms and RoPE."""
+    h, f, kv, k, s = model.hidden, model.expert_ffn_hidden, model.kv_heads * model.head_dim, model.top_k, \
+        model.shared_experts
+    if model.position == "rope":
+        return (32 * h + 5 * kv + k * (4 * h + 2 * f) + s * (3 * h + 2 * f),
+                75 * h + k * (14 * h + 4 * f) + s * (6 * h + 4 * f))
+    return 2 * h + 4 * k * h + 3 * s * h, 20 * h + 11 * k * h + 3 * s * h
+
+
+def expert_gradient_stack(model: ModelSpec, local_experts: int) -> float:
+    """Elements the backward of one MoE block moves per micro-batch whatever its tokens: the local experts'
+    weight gradients stacked into the [experts, ...] parameter's (unbind's backward: read and write)."""
+    matrices = 3 if model.mlp == "swiglu" else 2
+    return 2.0 * local_experts * matrices * model.hidden * model.expert_ffn_hidden

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fivefold.cost.cache import IdentityCache
+from fivefold.cost.moe import expert_gradient_stack, moe_block_ops, moe_block_traffic, moe_share
 from fivefold.errors import SpecError
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.units import GIB
@@ -205,8 +206,8 @@ class EagerOps:
     """Aten ops fivefold's eager runtime (fivefold.models, the runtime's loss) dispatches for one
     micro-batch; the host cost of a pass on a CPU is these counts x the profile's seconds per op."""
 
-    layer_forward: int  # one transformer block
-    layer_backward: int
+    layer_forward: float  # one transformer block (an average block for a mixed MoE model)
+    layer_backward: float
     embedding_forward: int  # token (and learned position) embedding, first stage
     embedding_backward: int
     head_forward: int  # final norm, LM head and cross-entropy loss, last stage
@@ -214,11 +215,13 @@ class EagerOps:
     stage_forward: int  # every stage model: its position ids
     layer_forward_traffic: float  # elements per token one block's unfused forward moves beyond cost/layer.py's
     layer_backward_traffic: float  # fused element-wise kernels (forward, backward)
+    layer_backward_fixed: float = 0.0  # elements one block's backward moves per micro-batch (MoE: cost/moe.py)
 
 
-def eager_ops(model: ModelSpec) -> EagerOps:
+def eager_ops(model: ModelSpec, local_experts: int | None = None) -> EagerOps:
     """The counts for this model's block variant, counted with a TorchDispatchMode on torch 2.13
-    (tests/test_cost_calibration_host.py recounts them on the runtime's modules).
+    (tests/test_cost_calibration_host.py recounts them on the runtime's modules). MoE models: the average
+    block over their dense and MoE layers, with `local_experts` (default: all) per MoE block (cost/moe.py).
 
     The GPT block (LayerNorm, learned positions, GeLU, biases, one kv head per head) dispatches 39 ops
     forward and 93 backward; RoPE adds the cos/sin tables and two rotations (28 / 14); SwiGLU the gate
@@ -238,12 +241,23 @@ def eager_ops(model: ModelSpec) -> EagerOps:
     learned = model.position == "learned"
     h, f, kv = model.hidden, model.ffn_hidden, model.kv_heads * model.head_dim
     forward_traffic, backward_traffic = (32 * h + 6 * f + 5 * kv, 72 * h + 4 * f) if rope else (0, 15 * h + f)
+    forward = 39 + 28 * rope + 5 * swiglu + 12 * rms + 8 * grouped
+    backward = 93 + 14 * rope + 6 * swiglu + 18 * rms + 7 * grouped
+    fixed = 0.0
+    share = moe_share(model)
+    if share > 0:
+        local = model.experts if local_experts is None else local_experts
+        extra_forward, extra_backward = moe_block_ops(model, local)
+        moe_forward_traffic, moe_backward_traffic = moe_block_traffic(model)
+        forward, backward = forward + share * extra_forward, backward + share * extra_backward
+        forward_traffic += share * (moe_forward_traffic - forward_traffic)
+        backward_traffic += share * (moe_backward_traffic - backward_traffic)
+        fixed = share * expert_gradient_stack(model, local)
     return EagerOps(
-        layer_forward=39 + 28 * rope + 5 * swiglu + 12 * rms + 8 * grouped,
-        layer_backward=93 + 14 * rope + 6 * swiglu + 18 * rms + 7 * grouped,
+        layer_forward=forward, layer_backward=backward,
         embedding_forward=1 + 2 * learned, embedding_backward=1 + 4 * learned,
         head_forward=13 + 6 * rms, head_backward=19 + 15 * rms, stage_forward=1,
-        layer_forward_traffic=forward_traffic, layer_backward_traffic=backward_traffic)
+        layer_forward_traffic=forward_traffic, layer_backward_traffic=backward_traffic, layer_backward_fixed=fixed)
 
 
 @dataclass(frozen=True)
