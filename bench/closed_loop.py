@@ -1,7 +1,8 @@
 """The closed loop on this machine: profile it, plan, train, and compare predicted with measured step time.
 
     .venv/bin/python bench/closed_loop.py [--models tiny,small] [--procs 1,2,4] [--steps 8] [--threads 1]
-                                          [--repeats 1] [--quick-profile] [--quiet-load 1.5] [--write docs/validation.md]
+                                          [--repeats 1] [--quick-profile] [--quiet-load 1.5]
+                                          [--write docs/validation.md]
 
 For every process count N (1, 2, 4), one after another:
 1. `fivefold profile` (`--quick` with --quick-profile) with N ranks: GEMMs, memory bandwidth and the eager

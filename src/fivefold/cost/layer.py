@@ -269,6 +269,7 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
     # MLP block: norm, (router, dispatch), up/gate GEMM, activation, down GEMM, (combine), TP, residual.
     work.elementwise(device, 2 * norm_tokens * h * e, 3 * norm_tokens * h * e, 1, 2)
     matrices_in = 2 if m.mlp == "swiglu" else 1
+    moe_split = 1 if stack.moe_replicated_over_tp else t  # how many ways tp splits the experts' width
     if m.is_moe:
         work.gemm(device, tokens, h, m.experts)  # router logits
         # Token copies and the busiest rank's rows per local expert, imbalance included (cost/moe.py).
@@ -279,11 +280,11 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
             dispatch = all_to_all_time(all_to_all_bytes(tokens, m, e, shape.expert_imbalance), ep_link)
             work.collective("ep", 2 * dispatch, 2 * dispatch)
         if m.shared_experts:
-            shared = m.shared_experts * m.expert_ffn_hidden // t
+            shared = m.shared_experts * m.expert_ffn_hidden // moe_split
             _fp8_linear(work, device, stack, tokens, h, matrices_in * shared)
             _fp8_linear(work, device, stack, tokens, shared, h)
             work.elementwise(device, tokens * shared * 3 * e, tokens * shared * 5 * e)
-        width = m.expert_ffn_hidden // t
+        width = m.expert_ffn_hidden // moe_split
         up = _fp8_linear(work, device, stack, per_expert, h, matrices_in * width, batch=local_experts)
         act_rows = routed
     else:
@@ -296,7 +297,12 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
         down = _fp8_linear(work, device, stack, per_expert, width, h, batch=local_experts)
     else:
         down = _fp8_linear(work, device, stack, tokens, width, h, bias=bias)
-    _tp_collectives(work, hidden_bytes, tp_link, shape.sequence_parallel, stack, [up, down])
+    if m.is_moe and stack.moe_replicated_over_tp:
+        if tp_link.size > 1 and shape.sequence_parallel:  # the input gathered; the output's gradient gathered
+            gather = all_gather_time(hidden_bytes, tp_link)
+            work.collective("tp", gather, gather)
+    else:
+        _tp_collectives(work, hidden_bytes, tp_link, shape.sequence_parallel, stack, [up, down])
     work.elementwise(device, norm_tokens * h * residual, norm_tokens * h * (2 * e + 1 if dropout else e),
                      2 if dropout else 1, 1)
     if not stack.fused_elementwise and device.host is None:

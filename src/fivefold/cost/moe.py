@@ -50,9 +50,10 @@ def moe_linear_flops_per_token(model: ModelSpec) -> float:
 
 
 def routed_rows(tokens: int, model: ModelSpec, ep: int, imbalance: float) -> tuple[int, int]:
-    """(token copies this rank sends, rows each of its local experts computes on the busiest rank)."""
+    """(token copies this rank sends, rows each of its local experts computes on the busiest rank). Without
+    expert parallelism the one rank computes every copy however the router spreads them."""
     routed = tokens * model.top_k
-    per_expert = max(1, round(routed * ep / model.experts * imbalance))
+    per_expert = max(1, round(routed * ep / model.experts * (imbalance if ep > 1 else 1.0)))
     return routed, per_expert
 
 
@@ -93,18 +94,20 @@ def moe_block_ops(model: ModelSpec, local_experts: int) -> tuple[int, int]:
     return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
 
-def moe_block_traffic(model: ModelSpec) -> tuple[float, float]:
+def moe_block_traffic(model: ModelSpec) -> tuple[float, float, float, float]:
     """(forward, backward) elements per token the eager MoE block's element-wise ops move beyond cost/layer.py's
-    fused kernels (the permutes, the experts' activations, the norms and residuals), fitted on the runtime's
-    block like eager_ops' dense formulas (within 1%): per routed copy the row gather, the concatenation of
-    the experts' outputs, the un-permute and the weighted sum (4h forward; 14h backward with SwiGLU's
-    products, 2f / 4f), per shared expert 3h + 2f / 6h + 4f, and the dense block's norms and RoPE."""
+    fused kernels, then the part of them that belongs to the routed and shared experts; fitted on the
+    runtime's block like eager_ops' dense formulas (within 1%): per routed copy the row gather, the
+    concatenation of the experts' outputs, the un-permute and the weighted sum (4h forward; 14h backward
+    with SwiGLU's products, 2f / 4f), per shared expert 3h + 2f / 6h + 4f; the rest is the dense block's
+    norms and RoPE."""
     h, f, kv, k, s = model.hidden, model.expert_ffn_hidden, model.kv_heads * model.head_dim, model.top_k, \
         model.shared_experts
     if model.position == "rope":
-        return (32 * h + 5 * kv + k * (4 * h + 2 * f) + s * (3 * h + 2 * f),
-                75 * h + k * (14 * h + 4 * f) + s * (6 * h + 4 * f))
-    return 2 * h + 4 * k * h + 3 * s * h, 20 * h + 11 * k * h + 3 * s * h
+        experts = (k * (4 * h + 2 * f) + s * (3 * h + 2 * f), k * (14 * h + 4 * f) + s * (6 * h + 4 * f))
+        return 32 * h + 5 * kv + experts[0], 75 * h + experts[1], *experts
+    experts = (4 * k * h + 3 * s * h, 11 * k * h + 3 * s * h)
+    return 2 * h + experts[0], 20 * h + experts[1], *experts
 
 
 def expert_gradient_stack(model: ModelSpec, local_experts: int) -> float:

@@ -103,6 +103,8 @@ class SoftwareStack:
     #                              Llama: repeat_kv, then F.scaled_dot_product_attention): CP moves heads-wide K/V
     cp_ring_backward: bool = False  # torch's experimental CP (late 2024): the backward gathers K/V again and passes
     #                                 dK/dV around the ring in fp32, one hop per ring step (cost/context.py)
+    moe_replicated_over_tp: bool = False  # every tp rank runs the whole MoE block (experts unsplit; with SP its
+    #                                       input gathered over tp, its output cut back: runtime/expert_parallel.py)
     features: Features = Features()  # what the software can run at all
 
     def uses_dropout(self, model: ModelSpec) -> bool:
@@ -150,7 +152,7 @@ STACKS: dict[str, SoftwareStack] = {
     "fivefold": SoftwareStack(name="fivefold", dropout=False, overlap_tp_backward=False, grad_reduce_bytes=4,
                               pipeline_keeps_outputs=True, optimizer_temporary_bytes=4.0,
                               selective_saves_ops=True, selective_saves_every_matmul=True, loss_fp32_copies=3,
-                              pipeline_returns_outputs=False, tp_gathers_logits=True,
+                              pipeline_returns_outputs=False, tp_gathers_logits=True, moe_replicated_over_tp=True,
                               pipeline_defers_grad_sync=True, zero2_reshards_after_backward=True,
                               eager_host_costs=True, features=Features(
                                   built_on="FSDP2, DTensor TP, torch.distributed.pipelining, own CP, eager")),
@@ -216,6 +218,8 @@ class EagerOps:
     layer_forward_traffic: float  # elements per token one block's unfused forward moves beyond cost/layer.py's
     layer_backward_traffic: float  # fused element-wise kernels (forward, backward)
     layer_backward_fixed: float = 0.0  # elements one block's backward moves per micro-batch (MoE: cost/moe.py)
+    expert_forward_traffic: float = 0.0  # of the per-token traffic, the MoE experts' part (which tp may not
+    expert_backward_traffic: float = 0.0  # split: SoftwareStack.moe_replicated_over_tp)
 
 
 def eager_ops(model: ModelSpec, local_experts: int | None = None) -> EagerOps:
@@ -243,21 +247,23 @@ def eager_ops(model: ModelSpec, local_experts: int | None = None) -> EagerOps:
     forward_traffic, backward_traffic = (32 * h + 6 * f + 5 * kv, 72 * h + 4 * f) if rope else (0, 15 * h + f)
     forward = 39 + 28 * rope + 5 * swiglu + 12 * rms + 8 * grouped
     backward = 93 + 14 * rope + 6 * swiglu + 18 * rms + 7 * grouped
-    fixed = 0.0
+    fixed, expert_traffic = 0.0, (0.0, 0.0)
     share = moe_share(model)
     if share > 0:
         local = model.experts if local_experts is None else local_experts
         extra_forward, extra_backward = moe_block_ops(model, local)
-        moe_forward_traffic, moe_backward_traffic = moe_block_traffic(model)
+        moe_forward, moe_backward, experts_forward, experts_backward = moe_block_traffic(model)
         forward, backward = forward + share * extra_forward, backward + share * extra_backward
-        forward_traffic += share * (moe_forward_traffic - forward_traffic)
-        backward_traffic += share * (moe_backward_traffic - backward_traffic)
+        forward_traffic += share * (moe_forward - forward_traffic)
+        backward_traffic += share * (moe_backward - backward_traffic)
         fixed = share * expert_gradient_stack(model, local)
+        expert_traffic = (share * experts_forward, share * experts_backward)
     return EagerOps(
         layer_forward=forward, layer_backward=backward,
         embedding_forward=1 + 2 * learned, embedding_backward=1 + 4 * learned,
         head_forward=13 + 6 * rms, head_backward=19 + 15 * rms, stage_forward=1,
-        layer_forward_traffic=forward_traffic, layer_backward_traffic=backward_traffic, layer_backward_fixed=fixed)
+        layer_forward_traffic=forward_traffic, layer_backward_traffic=backward_traffic, layer_backward_fixed=fixed,
+        expert_forward_traffic=expert_traffic[0], expert_backward_traffic=expert_traffic[1])
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ are furthest from the measured ones are named. Without a trace only the whole st
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fivefold.report.load import Run
@@ -119,7 +119,8 @@ def moe_summary(records: list[dict]) -> dict | None:
     loads = [r["expert_load_max_over_mean"] for r in records if "expert_load_max_over_mean" in r]
     return {"aux_loss_median": _median(records, "aux_loss"), "aux_loss_last": records[-1].get("aux_loss"),
             "expert_load_max_over_mean_median": statistics.median(loads),
-            "expert_load_max_over_mean_worst": max(loads)}
+            "expert_load_max_over_mean_worst": max(loads),
+            "expert_rank_imbalance_median": _median(records, "expert_rank_imbalance")}
 
 
 def build_report(run: Run, stack_name: str | None = None) -> tuple[Report, Any, Any]:
@@ -128,7 +129,14 @@ def build_report(run: Run, stack_name: str | None = None) -> tuple[Report, Any, 
     from fivefold.cost.stack import with_compile
     from fivefold.sim import simulate_plan
 
-    plan = run.plan
+    plan, notes = run.plan, []
+    # Under ep the step waits for the busiest rank's experts: a property of the router's choices, not of the
+    # machine, so the prediction takes the imbalance the run measured (the plan's is a guess made before).
+    routed = _median(run.measured, "expert_rank_imbalance")
+    if routed is not None and abs(routed - plan.train.expert_imbalance) > 0.005:
+        notes.append(f"predicted with the expert imbalance this run measured ({routed:.3g}, the busiest ep rank's "
+                     f"tokens over the mean); the plan said {plan.train.expert_imbalance:.3g}")
+        plan = replace(plan, train=replace(plan.train, expert_imbalance=max(1.0, routed)))
     # A run with --compile is predicted with compiled blocks (its metrics records say "compile": true).
     stack = with_compile(stack_named(stack_name or default_stack()), any(r.get("compile") for r in run.measured))
     predicted = estimate(plan, stack)
@@ -143,7 +151,6 @@ def build_report(run: Run, stack_name: str | None = None) -> tuple[Report, Any, 
                _median(measured, "tokens_per_s")),
         Figure("mfu_pct", "MFU", "%", 100 * predicted.mfu, 100 * sim_mfu, 100 * _median(measured, "mfu")),
     ]
-    notes = []
     # Per-rank lists come every --metrics-every steps (and on the first and last): medians over those.
     per_rank = any("peak_memory_gib_per_rank" in r for r in measured)
     if not per_rank:

@@ -96,7 +96,9 @@ def report_renderables(report: Report) -> list[Any]:
         out.append(f"[bold]mixture of experts[/bold]: auxiliary loss {moe['aux_loss_median']:.4g} (median; last step "
                    f"{moe['aux_loss_last']:.4g}); expert load, tokens of the busiest expert / mean over experts "
                    f"(worst layer): median {moe['expert_load_max_over_mean_median']:.3g}, worst step "
-                   f"{moe['expert_load_max_over_mean_worst']:.3g} (1 = balanced)")
+                   f"{moe['expert_load_max_over_mean_worst']:.3g} (1 = balanced)"
+                   + (f"; busiest ep rank's tokens / mean: median {moe['expert_rank_imbalance_median']:.3g}"
+                      if moe.get("expert_rank_imbalance_median") is not None else ""))
     for note in report.notes:
         out.append(f"note: {note}")
     if report.timeline:

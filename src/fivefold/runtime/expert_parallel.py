@@ -166,7 +166,8 @@ def forget_metadata_inference(schedule: object, parts: dict[int, nn.Module]) -> 
 
 def moe_step_metrics(parts: dict[int, nn.Module], plan: Plan, device: torch.device, update_bias: bool) -> dict:
     """The step's auxiliary loss and expert load over the whole world (one all-reduce), and the
-    auxiliary-loss-free bias update. Every rank returns the same numbers.
+    auxiliary-loss-free bias update. Every rank returns the same numbers. With ep > 1 also the busiest ep
+    rank's tokens over the mean (averaged over the MoE layers): the measured train.expert_imbalance.
 
     Layers of other stages are zero here and filled by their stage; dp/cp ranks add disjoint tokens;
     tp ranks all count the same tokens, hence the division by tp.
@@ -196,5 +197,9 @@ def moe_step_metrics(parts: dict[int, nn.Module], plan: Plan, device: torch.devi
             step = model.router_bias_rate * torch.sign(load.mean() - load)
             block.expert_bias.add_(step.to(block.expert_bias.device, torch.float32))
     per_layer = (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-12)).tolist()
-    return {"aux_loss": totals[-1].item(), "expert_load_max_over_mean": max(per_layer),
-            "expert_load_per_layer": [round(v, 4) for v in per_layer]}
+    metrics = {"aux_loss": totals[-1].item(), "expert_load_max_over_mean": max(per_layer),
+               "expert_load_per_layer": [round(v, 4) for v in per_layer]}
+    if plan.ep > 1:  # what the step waits for: the busiest ep rank's experts (train.expert_imbalance's meaning)
+        ranks = loads.view(len(moe_layer_ids), plan.ep, -1).sum(dim=2)
+        metrics["expert_rank_imbalance"] = (ranks.max(dim=1).values / ranks.mean(dim=1).clamp(min=1e-12)).mean().item()
+    return metrics
