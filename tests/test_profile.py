@@ -69,3 +69,22 @@ collective = [{collective = "all_reduce", ranks = 2, message_bytes = 4096, secon
     path.write_text(path.read_text().replace("flops_per_s = 2e10", "flops = 2e10"))
     with pytest.raises(Exception, match="calibration"):
         parse_cluster(str(path))
+
+
+@pytest.mark.slow
+def test_four_ranks_also_measure_pairs_of_ranks_side_by_side():
+    """With 4 ranks the collectives are measured over all 4 and again over the pairs (0-1, 2-3) at once; the
+    cost model looks a 2-rank group up in the pairs' curves (a tp2 group of a 4-process run)."""
+    from fivefold.cost.comm import measured_collectives
+    from fivefold.profile.workers import measure_collectives
+    from fivefold.spec.cluster import Calibration
+
+    points = measure_collectives(4, quick=True, use_cuda=False)
+    by_ranks = {(p.collective, p.ranks) for p in points}
+    assert {("all_gather", 4), ("all_gather", 2), ("reduce_scatter", 2), ("all_to_all", 2)} <= by_ranks
+    assert len([p for p in points if p.ranks == 2]) == 4 * 6  # send/recv is between 2 ranks already
+    assert all(p.seconds > 0 for p in points)
+    calibration = Calibration(collectives=tuple((p.collective, p.ranks, p.message_bytes, p.seconds) for p in points))
+    lookup = measured_collectives(calibration)
+    pair = next(p for p in points if (p.collective, p.ranks, p.message_bytes) == ("all_gather", 2, 2**20))
+    assert lookup.seconds("all_gather", 2, 2**20) == pytest.approx(pair.seconds)

@@ -80,15 +80,26 @@ def optimizer_host_time(layout: Layout, env: RankEnv, tensors: int) -> float:
     return tensors * (host.optimizer_dtensor if distributed else host.optimizer_tensor)
 
 
-def fsdp_host_time(layout: Layout, stack: SoftwareStack, env: RankEnv, units: int) -> float:
-    """Host side of the FSDP2 / replicate collectives of one step on a profiled CPU rank: every wrapped
-    module (each block and each stage model) gathers and reduces on its own, as often as the data-parallel
-    schedule says (the collectives' own time is in data_parallel_time)."""
-    host = env.device.host
+def fsdp_host_time(layout: Layout, stack: SoftwareStack, group: RankGroup) -> float:
+    """Host side of the FSDP2 / replicate collectives of one step on a profiled CPU rank, in series with its
+    work: every wrapped module (each block and each stage model) gathers and reduces on its own, as often
+    as the data-parallel schedule says, and FSDP2 copies the weights in and out around each gather and the
+    gradients around each reduction (fsdp_copy_seconds; the collectives' own time is in
+    data_parallel_time)."""
+    host = group.env.device.host
     if host is None or layout.dp * layout.cp <= 1:
         return 0.0
+    units = group.layers + group.chunks
+    reduce, gather = units * host.fsdp_reduce, units * host.fsdp_gather
+    if layout.zero >= 1:
+        grad_bytes = stack.gradient_bytes(layout.train.dtype)
+        weight_bytes = 4 if layout.train.dtype == "fp32" else 2
+        for params, link in ((group.dense, group.env.replicas), (group.expert, group.env.expert_replicas)):
+            if params > 0 and link.size > 1:
+                reduce += fsdp_copy_seconds(stack, group.env, params * grad_bytes, link.size)
+                gather += fsdp_copy_seconds(stack, group.env, params * weight_bytes, link.size)
     policy = data_parallel_sync(stack, layout.zero, layout.pp)
-    return _total(policy, units * host.fsdp_reduce, units * host.fsdp_gather, layout.num_micro_batches, layout.pp)
+    return _total(policy, reduce, gather, layout.num_micro_batches, layout.pp)
 
 
 def sync_seconds(layout: Layout, stack: SoftwareStack, env: RankEnv, dense: float,
@@ -96,10 +107,7 @@ def sync_seconds(layout: Layout, stack: SoftwareStack, env: RankEnv, dense: floa
     """(one gradient reduction, one weight all-gather) of these parameters over the rank's replicas,
     in `modules` equal collectives (stack.collective_per_module: one per wrapped module).
 
-    ZeRO-0 all-reduces the gradients; ZeRO >= 1 reduce-scatters them and all-gathers the weights. On a
-    profiled CPU rank FSDP2's copies around each collective go through the same memory as everything else:
-    a gather copies the shard in and the gathered weights out to the parameters, a reduction concatenates
-    the gradients in and the shard out (read and write each, fsdp_copy_seconds)."""
+    ZeRO-0 all-reduces the gradients; ZeRO >= 1 reduce-scatters them and all-gathers the weights."""
     grad_bytes = stack.gradient_bytes(layout.train.dtype)
     weight_bytes = 4 if layout.train.dtype == "fp32" else 2
     if layout.train.dtype == "fp8" and stack.features.fp8_all_gather and layout.zero == 3:
@@ -112,10 +120,8 @@ def sync_seconds(layout: Layout, stack: SoftwareStack, env: RankEnv, dense: floa
         if layout.zero == 0:
             reduce += modules * all_reduce_time(piece * grad_bytes, link)
         else:
-            reduce += modules * reduce_scatter_time(piece * grad_bytes, link) + fsdp_copy_seconds(
-                stack, env, params * grad_bytes, link.size)
-            gather += modules * all_gather_time(piece * weight_bytes, link) + fsdp_copy_seconds(
-                stack, env, params * weight_bytes, link.size)
+            reduce += modules * reduce_scatter_time(piece * grad_bytes, link)
+            gather += modules * all_gather_time(piece * weight_bytes, link)
     return reduce, gather
 
 

@@ -11,8 +11,8 @@ from fivefold.cost.comm import Topology, all_reduce_time
 from fivefold.cost.layer import ZERO_PASS, PassCost
 from fivefold.cost.layout import Layout, LayerCosts, RankEnv
 from fivefold.cost.stack import (COMPILED_BLOCK_OPS, SoftwareStack, TensorParallelCollectives, eager_ops,
-                                 tensor_parallel_collectives)
-from fivefold.spec.plan import SPLIT_BACKWARD, reduced_by_ddp
+                                 on_host_profiled_cpu, tensor_parallel_collectives)
+from fivefold.spec.plan import SPLIT_BACKWARD, reduced_by_ddp, reductions_overlap_on_cpu
 
 NO_TP_COLLECTIVES = TensorParallelCollectives(0, 0, 0, 0, 0, 0)
 
@@ -21,6 +21,22 @@ def ddp_on_cpu(layout: Layout) -> bool:
     """The runtime runs this layout under DistributedDataParallel on CPU (spec.plan.reduced_by_ddp): buckets
     of gradients, no per-module FSDP hooks or collectives."""
     return reduced_by_ddp(layout.dp, layout.cp, layout.tp, layout.pp, layout.zero, layout.ep)
+
+
+def stack_on_profiled_cpu(layout: Layout, stack: SoftwareStack) -> SoftwareStack:
+    """What a layout on CPU ranks profiled with host costs is costed with: the stack's CPU variant
+    (stack.on_host_profiled_cpu), with DDP's bucketed all-reduce instead of one collective per module where
+    the runtime runs DDP, and the reductions overlapped with the backward where the runtime overlaps them
+    (spec.plan.reductions_overlap_on_cpu)."""
+    stack = on_host_profiled_cpu(stack)
+    if not stack.eager_host_costs:
+        return stack
+    if ddp_on_cpu(layout):
+        stack = replace(stack, collective_per_module=False)
+    if reductions_overlap_on_cpu(layout.dp, layout.cp, layout.tp, layout.pp, layout.zero, layout.ep,
+                                 layout.num_micro_batches):
+        stack = replace(stack, overlap_grad_reduce=True)
+    return stack
 
 
 def _host_pass(forward: float, backward: float, recompute: bool) -> PassCost:

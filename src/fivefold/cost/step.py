@@ -21,7 +21,8 @@ How the step time is composed (the simulator replays exactly this from Estimate.
    running when the pipeline ends (after each rank's own finish) and the tied-embedding all-reduce.
 5. step_time_s = pipeline_s + dp_comm_exposed_s + optimizer_s.
 On a profiled CPU rank (Calibration.host) a stack with `eager_host_costs` becomes its CPU variant
-(stack.on_host_profiled_cpu: nothing overlaps, one collective per FSDP module) and adds its measured host
+(host.stack_on_profiled_cpu: one collective per FSDP module, reductions overlapped only where the runtime
+overlaps them on gloo) and adds its measured host
 costs in series (one thread computes and dispatches): each pass costs its eager ops (stack.eager_ops) x seconds
 per op (DTensor's with tp > 1, and what each DTensor collective costs beyond the collective), plus the
 FSDP2 hooks of each wrapped module (each block and each stage model) when dp > 1, and the memory traffic of its unfused element-wise ops beyond the fused kernels; the zero-bubble schedules' split backward
@@ -37,7 +38,6 @@ less the headroom. What the stack does with gradients and weights is cost.stack.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Callable, NamedTuple, Sequence
 
 from fivefold.cost.cache import IdentityCache
@@ -45,14 +45,14 @@ from fivefold.cost.comm import GroupLink, Topology, p2p_time, topology_of
 from fivefold.cost.dataparallel import (data_parallel_time, fsdp_host_time, optimizer_host_time, optimizer_time,
                                        parameter_tensors)
 from fivefold.cost.flops import hardware_flops_per_step, model_flops_per_step
-from fivefold.cost.host import bookkeeping_time, ddp_on_cpu, split_backward_host, with_host_costs
+from fivefold.cost.host import bookkeeping_time, ddp_on_cpu, split_backward_host, stack_on_profiled_cpu, with_host_costs
 from fivefold.cost.layer import ZERO_PASS, padded_vocab
 from fivefold.cost.layout import (Layout, LayerCosts, RankEnv, RankGroup, layer_costs, rank_envs, stage_owners,
                                   stage_params)
 from fivefold.cost.memory import RankMemory, in_flight_chunks, zero_model_state_bytes
 from fivefold.cost.pipeline import PipelineTime, pipeline_time, walked_pipelines
 from fivefold.cost.results import Estimate, Score, StageCost
-from fivefold.cost.stack import STACKS, DataParallelSync, SoftwareStack, data_parallel_sync, on_host_profiled_cpu
+from fivefold.cost.stack import STACKS, DataParallelSync, SoftwareStack, data_parallel_sync
 from fivefold.spec.plan import Plan
 
 
@@ -154,9 +154,7 @@ def _rank_groups(layout: Layout, stack: SoftwareStack) -> _RankGroups:
     topology = topology_of(layout.cluster)
     envs = rank_envs(layout, topology)
     if envs[0].device.host is not None:  # CPU ranks profiled with host costs: the stack's CPU variant
-        stack = on_host_profiled_cpu(stack)
-        if stack.eager_host_costs and ddp_on_cpu(layout):  # DDP's bucketed all-reduce, not one per module
-            stack = replace(stack, collective_per_module=False)
+        stack = stack_on_profiled_cpu(layout, stack)
     p = layout.pp
     e = 4 if layout.train.dtype == "fp32" else 2
     tokens = layout.micro_batch * layout.train.seq_len // layout.cp
@@ -208,7 +206,7 @@ def _step_time(layout: Layout, ranks: _RankGroups, detail: bool) -> _StepTime:
     dp_exposed = held - pipe.total + data.head + data.tail
     if stack.eager_host_costs and any(g.env.device.host is not None for g in ordered):
         if not ddp_on_cpu(layout):
-            dp_exposed += max(fsdp_host_time(layout, stack, g.env, g.layers + g.chunks) for g in ordered)
+            dp_exposed += max(fsdp_host_time(layout, stack, g) for g in ordered)
         dp_exposed += bookkeeping_time(layout, topology, ranks.envs[0], [first_ranks[r] for r in range(p)])
     optimizer = max(optimizer_time(layout, g.env, g.dense, g.expert) + (optimizer_host_time(
         layout, g.env, parameter_tensors(layout.model, g.layers, g.first, g.last, g.first))

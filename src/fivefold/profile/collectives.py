@@ -41,20 +41,20 @@ def message_sizes(quick: bool) -> list[int]:
     return [2**p for p in range(12, top + 1, 2)]
 
 
-def _one_call(collective: str, rank: int, ranks: int, message_bytes: int, device: torch.device):
+def _one_call(collective: str, rank: int, ranks: int, message_bytes: int, device: torch.device, group=None):
     elements = max(ranks, message_bytes // 4 // ranks * ranks)
     data = torch.ones(elements, device=device)
     if collective == "all_reduce":
-        return lambda: dist.all_reduce(data)
+        return lambda: dist.all_reduce(data, group=group)
     if collective == "all_gather":
         gathered = torch.empty(elements * ranks, device=device)
-        return lambda: dist.all_gather_single(gathered, data)
+        return lambda: dist.all_gather_single(gathered, data, group=group)
     if collective == "reduce_scatter":
         shard = torch.empty(elements // ranks, device=device)
-        return lambda: dist.reduce_scatter_single(shard, data)
+        return lambda: dist.reduce_scatter_single(shard, data, group=group)
     if collective == "all_to_all":
         received = torch.empty_like(data)
-        return lambda: dist.all_to_all_single(received, data)
+        return lambda: dist.all_to_all_single(received, data, group=group)
     # send/recv ping-pong between ranks 0 and 1; a round trip is two messages.
     def ping_pong():
         if rank == 0:
@@ -76,10 +76,20 @@ def agree_with_rank0(count: int, device: torch.device) -> int:
 def measure_collectives_here(rank: int, ranks: int, quick: bool, device: torch.device,
                              emit: Callable[[CollectivePoint], None]) -> None:
     """Time every collective over every message size in this process group (all ranks call this);
-    rank 0 emits the points."""
-    for collective in COLLECTIVES:
+    rank 0 emits the points. With 4 or more ranks (an even count), the collectives again over pairs of
+    ranks (0-1, 2-3, ...), every pair at once: a plan's 2-way tp, cp, ep or dp groups run side by side like
+    that, and on shared cores a pair's collectives are not what they are with the other ranks idle."""
+    _measure(rank, ranks, quick, device, emit, COLLECTIVES, None)
+    if ranks >= 4 and ranks % 2 == 0:
+        pairs = [dist.new_group([first, first + 1]) for first in range(0, ranks, 2)]  # every rank makes each
+        _measure(rank, 2, quick, device, emit, tuple(c for c in COLLECTIVES if c != "send_recv"), pairs[rank // 2])
+
+
+def _measure(rank: int, ranks: int, quick: bool, device: torch.device, emit: Callable[[CollectivePoint], None],
+             collectives: tuple[str, ...], group) -> None:
+    for collective in collectives:
         for size in message_sizes(quick):
-            call = _one_call(collective, rank, ranks, size, device)
+            call = _one_call(collective, rank, ranks, size, device, group)
             seconds = median_seconds(call, device, repeats=3 if quick else 7, min_seconds=0.01 if quick else 0.05,
                                      agree=lambda count: agree_with_rank0(count, device),
                                      before_sample=dist.barrier)

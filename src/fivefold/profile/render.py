@@ -39,7 +39,7 @@ def profile_renderables(profile: Profile, out: str) -> list:
         table.add_row(f"best GEMM {dtype}", f"{flops / 1e12:.3g} TFLOP/s")
     table.add_row("memory bandwidth", f"{profile.memory_bandwidth / 1e9:.3g} GB/s")
     for collective in COLLECTIVES:
-        points = [p for p in profile.collectives if p.collective == collective]
+        points = [p for p in profile.collectives if p.collective == collective and p.ranks == profile.processes]
         if points:
             table.add_row(f"{collective}", f"{points[-1].bus_bandwidth / 1e9:.3g} GB/s bus at "
                           f"{points[-1].message_bytes >> 20} MiB, {points[0].seconds * 1e6:.0f} us at "
@@ -55,6 +55,8 @@ def profile_steps(nproc: int, quick: bool, gpu: bool) -> int:
     total = (3 if gpu else 2) * len(gemm_shapes(quick)) + 1
     if nproc > 1:
         total += len(COLLECTIVES) * len(message_sizes(quick))
+    if nproc >= 4 and nproc % 2 == 0:  # again over pairs of ranks, send/recv aside (collectives.py)
+        total += (len(COLLECTIVES) - 1) * len(message_sizes(quick))
     return total
 
 
@@ -64,4 +66,4 @@ def describe_step(kind: str, item: object) -> str:
         return f"GEMM {item.m}x{item.n}x{item.k} {item.dtype}"  # type: ignore[attr-defined]
     if kind == "memory":
         return "memory bandwidth"
-    return f"{item.collective} {item.message_bytes} B"  # type: ignore[attr-defined]
+    return f"{item.collective} {item.message_bytes} B over {item.ranks} ranks"  # type: ignore[attr-defined]

@@ -52,6 +52,17 @@ def reduced_by_ddp(dp: int, cp: int, tp: int, pp: int, zero: int, ep: int) -> bo
     return replicas > 1 and zero == 0 and tp == pp == 1 and ep in (1, replicas)
 
 
+def reductions_overlap_on_cpu(dp: int, cp: int, tp: int, pp: int, zero: int, ep: int, micro_batches: int) -> bool:
+    """Whether fivefold's runtime on CPU reduces this layout's gradients while the backward still computes:
+    under DistributedDataParallel (reduced_by_ddp), or through FSDP2 with its asynchronous reduce-scatter
+    (runtime/parallelize.py AsyncReduceScatter) when no pipeline defers the reduction and it is the step's
+    only one: ZeRO-1, or ZeRO-2/3 with one micro-batch (later micro-batches' reductions add into the
+    gradient at once, so they block). cost/step.py costs the reduction overlapped exactly then."""
+    if reduced_by_ddp(dp, cp, tp, pp, zero, ep):
+        return True
+    return dp * cp > 1 and zero >= 1 and pp == 1 and (zero == 1 or micro_batches == 1)
+
+
 def mesh_rank(dp_size: int, cp_size: int, tp_size: int, pp: int, dp: int, cp: int, tp: int) -> int:
     """The global rank at mesh coordinate (pp, dp, cp, tp) of a mesh with those dp, cp and tp sizes."""
     return ((pp * dp_size + dp) * cp_size + cp) * tp_size + tp
