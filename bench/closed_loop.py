@@ -1,18 +1,21 @@
 """The closed loop on this machine: profile it, plan, train, and compare predicted with measured step time.
 
-    .venv/bin/python bench/closed_loop.py [--models tiny,small] [--procs 1,2,4] [--steps 8] [--threads 1]
+    .venv/bin/python bench/closed_loop.py [--models tiny,small,small-moe] [--procs 1,2,4] [--steps 8] [--threads 1]
                                           [--repeats 1] [--quick-profile] [--quiet-load 1.5]
                                           [--write docs/validation.md]
 
 For every process count N (1, 2, 4), one after another:
 1. `fivefold profile` (`--quick` with --quick-profile) with N ranks: GEMMs, memory bandwidth and the eager
-   runtime's host costs measured by all N ranks at once, collectives over N gloo ranks (profile-N.toml);
-2. for every model, a fixed representative set of plans, each the planner's best of its kind (fivefold
-   stack, that profile): for N = 1 the micro-batch sizes; for N > 1 every dp x tp x pp split the runtime
-   can run, and for pure data parallelism ZeRO 0, 1 and 3 as well;
+   runtime's host costs measured by all N ranks at once, collectives over N gloo ranks (and over pairs of
+   ranks side by side when N >= 4) (profile-N.toml);
+2. for every model (tiny, small and small-moe, an MoE version of small with 8 experts, top-2), a fixed
+   representative set of plans, each the planner's best of its kind (fivefold stack, that profile): for
+   N = 1 the micro-batch sizes; for N > 1 every dp x tp x pp x cp x ep split the runtime can run, and for
+   pure data parallelism of a dense model ZeRO 0, 1 and 3 as well;
 3. each plan trains a few steps (one launch per model and N, the plans one after another in the same
    processes); the measured step time is the report's (fivefold.report: median after the warm-up steps),
-   the prediction the cost model's for the plan's calibrated cluster (the report's own figure).
+   the prediction the cost model's for the plan's calibrated cluster (the report's own figure; for an ep > 1
+   run it takes the expert imbalance the run measured, as `fivefold report` does).
 Then a table per model and N: predicted, measured, error, and the planner's order against the measured
 one (Spearman's rho, same order or not, and how much slower the predicted-fastest plan ran than the
 measured-fastest).
@@ -287,6 +290,14 @@ def markdown(results: list[Result], args: argparse.Namespace, machine: str, load
              "predicted with the cost model and trained by `fivefold train`'s launcher.", "",
              f"Step time within 15%: {within} of {len(errors)} plans; mean absolute error "
              f"{100 * statistics.mean(errors):.1f}%, worst {100 * max(errors):.1f}%." if errors else "", ""]
+    for n in sorted({r.procs for r in results}):
+        share = [abs(r.error) for r in results if r.procs == n and r.error is not None]
+        if share:
+            lines.append(f"- {n} process{'es' if n > 1 else ''}"
+                         f"{' (more processes than cores)' if n > (os.cpu_count() or n) else ''}: "
+                         f"{sum(e <= 0.15 for e in share)} of {len(share)} within 15%, mean absolute error "
+                         f"{100 * statistics.mean(share):.1f}%, worst {100 * max(share):.1f}%")
+    lines.append("")
     for model_name in args.models.split(","):
         for n in sorted({r.procs for r in results}):
             group = [r for r in results if r.model == model_name and r.procs == n]
@@ -333,7 +344,7 @@ def write_section(path: Path, section: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="tiny,small")
+    parser.add_argument("--models", default="tiny,small,small-moe")
     parser.add_argument("--procs", default="1,2,4")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=8)
