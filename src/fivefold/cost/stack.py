@@ -244,9 +244,10 @@ def eager_ops(model: ModelSpec, local_experts: int | None = None) -> EagerOps:
     rms, grouped = model.norm == "rmsnorm", model.kv_heads < model.heads
     learned = model.position == "learned"
     h, f, kv = model.hidden, model.ffn_hidden, model.kv_heads * model.head_dim
-    forward_traffic, backward_traffic = (32 * h + 6 * f + 5 * kv, 72 * h + 4 * f) if rope else (0, 15 * h + f)
-    forward = 39 + 28 * rope + 5 * swiglu + 12 * rms + 8 * grouped
-    backward = 93 + 14 * rope + 6 * swiglu + 18 * rms + 7 * grouped
+    forward_traffic, backward_traffic = ((32.0 * h + 6 * f + 5 * kv, 72.0 * h + 4 * f) if rope
+                                         else (0.0, 15.0 * h + f))
+    forward = 39.0 + 28 * rope + 5 * swiglu + 12 * rms + 8 * grouped
+    backward = 93.0 + 14 * rope + 6 * swiglu + 18 * rms + 7 * grouped
     fixed, expert_traffic = 0.0, (0.0, 0.0)
     share = moe_share(model)
     if share > 0:
