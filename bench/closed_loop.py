@@ -41,6 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from fivefold.cost.stack import STACKS  # noqa: E402
 from fivefold.errors import FivefoldError  # noqa: E402
@@ -48,12 +49,13 @@ from fivefold.planner import Choices, search  # noqa: E402
 from fivefold.planner.space import degree_options  # noqa: E402
 from fivefold.report import build_report, load_run  # noqa: E402
 from fivefold.spec import Plan, TrainSpec, load_plan, parse_cluster, parse_model  # noqa: E402
+from overhead import MOE  # noqa: E402  (bench/overhead.py's ep2 model)
 
 STACK = "fivefold"
 HEADING = "## Closed loop on this machine (bench/closed_loop.py)"
 NEAR_TIE = 0.05  # the predicted-fastest plan "wins" when it is within this of the measured fastest
-# Models by name beyond the presets: an MoE version of `small` (bench/overhead.py's ep2 row), for expert parallel.
-MODELS = {"small-moe": "preset=small,experts=8,top_k=2,expert_ffn_hidden=344,aux_loss_coef=0.01"}
+# Models by name beyond the presets: the MoE version of `small` of bench/overhead.py's ep2 row.
+MODELS = {"small-moe": MOE}
 
 
 @dataclass

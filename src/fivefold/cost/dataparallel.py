@@ -84,20 +84,20 @@ def fsdp_host_time(layout: Layout, stack: SoftwareStack, group: RankGroup) -> fl
     """Host side of the FSDP2 / replicate collectives of one step on a profiled CPU rank, in series with its
     work: every wrapped module (each block and each stage model) gathers and reduces on its own, as often
     as the data-parallel schedule says, and FSDP2 copies the weights in and out around each gather and the
-    gradients around each reduction (fsdp_copy_seconds; the collectives' own time is in
-    data_parallel_time)."""
+    gradients around each reduction (the collectives' own time is in data_parallel_time)."""
     host = group.env.device.host
     if host is None or layout.dp * layout.cp <= 1:
         return 0.0
     units = group.layers + group.chunks
     reduce, gather = units * host.fsdp_reduce, units * host.fsdp_gather
     if layout.zero >= 1:
-        grad_bytes = stack.gradient_bytes(layout.train.dtype)
-        weight_bytes = 4 if layout.train.dtype == "fp32" else 2
+        # FSDP2 copies in and out around each collective: the whole tensor and its shard, each read and
+        # written once (all_gather_copy_in + split_with_sizes_copy; chunk_cat + the shard's accumulation).
+        grad_bytes, weight_bytes = _sync_bytes(layout, stack)
         for params, link in ((group.dense, group.env.replicas), (group.expert, group.env.expert_replicas)):
             if params > 0 and link.size > 1:
-                reduce += fsdp_copy_seconds(stack, group.env, params * grad_bytes, link.size)
-                gather += fsdp_copy_seconds(stack, group.env, params * weight_bytes, link.size)
+                copied = 2 * params * (1 + 1 / link.size) / group.env.device.bandwidth
+                reduce, gather = reduce + copied * grad_bytes, gather + copied * weight_bytes
     policy = data_parallel_sync(stack, layout.zero, layout.pp)
     return _total(policy, reduce, gather, layout.num_micro_batches, layout.pp)
 
@@ -108,10 +108,7 @@ def sync_seconds(layout: Layout, stack: SoftwareStack, env: RankEnv, dense: floa
     in `modules` equal collectives (stack.collective_per_module: one per wrapped module).
 
     ZeRO-0 all-reduces the gradients; ZeRO >= 1 reduce-scatters them and all-gathers the weights."""
-    grad_bytes = stack.gradient_bytes(layout.train.dtype)
-    weight_bytes = 4 if layout.train.dtype == "fp32" else 2
-    if layout.train.dtype == "fp8" and stack.features.fp8_all_gather and layout.zero == 3:
-        weight_bytes = 1  # FSDP2 gathers the block weights already cast to FP8 (torchao's FP8 all-gather)
+    grad_bytes, weight_bytes = _sync_bytes(layout, stack)
     reduce = gather = 0.0
     for params, link in ((dense, env.replicas), (expert, env.expert_replicas)):
         if params <= 0 or link.size <= 1:
@@ -125,14 +122,12 @@ def sync_seconds(layout: Layout, stack: SoftwareStack, env: RankEnv, dense: floa
     return reduce, gather
 
 
-def fsdp_copy_seconds(stack: SoftwareStack, env: RankEnv, unsharded_bytes: float, ranks: int) -> float:
-    """FSDP2's copy-in and copy-out around one all-gather or reduce-scatter of `unsharded_bytes` over
-    `ranks`, on a rank whose memory the profile measured (CPU, eager host costs): the whole tensor and its
-    shard, each read and written once (all_gather_copy_in + split_with_sizes_copy; chunk_cat + the shard's
-    accumulation)."""
-    if env.device.host is None or not stack.eager_host_costs:
-        return 0.0
-    return 2 * unsharded_bytes * (1 + 1 / ranks) / env.device.bandwidth
+def _sync_bytes(layout: Layout, stack: SoftwareStack) -> tuple[int, int]:
+    """(bytes per gradient element reduced, bytes per weight element gathered)."""
+    weight_bytes = 4 if layout.train.dtype == "fp32" else 2
+    if layout.train.dtype == "fp8" and stack.features.fp8_all_gather and layout.zero == 3:
+        weight_bytes = 1  # FSDP2 gathers the block weights already cast to FP8 (torchao's FP8 all-gather)
+    return stack.gradient_bytes(layout.train.dtype), weight_bytes
 
 
 def tied_embedding_seconds(layout: Layout, stack: SoftwareStack, topology: Topology, first_device: int,

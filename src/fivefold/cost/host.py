@@ -53,7 +53,7 @@ def with_host_costs(layout: Layout, env: RankEnv, stack: SoftwareStack, costs: L
     if host is None or not stack.eager_host_costs:
         return costs
     layer, embedding, head, activation, transient, _ = costs
-    ops = eager_ops(layout.model, layout.model.experts // layout.ep if layout.model.is_moe else None)
+    ops = eager_ops(layout.model, layout.ep)
     tensor_parallel = layout.tp > 1
     op_f = host.dtensor_op_forward if tensor_parallel else host.op_forward
     op_b = host.dtensor_op_backward if tensor_parallel else host.op_backward
@@ -70,10 +70,10 @@ def with_host_costs(layout: Layout, env: RankEnv, stack: SoftwareStack, costs: L
     # The MoE experts' part runs on every tp rank's whole sequence when tp does not split the block.
     expert_split = 1 if stack.moe_replicated_over_tp else layout.tp
     expert_tokens = tokens * layout.tp / expert_split
-    traffic_f = (ops.layer_forward_traffic * tokens
-                 + ops.expert_forward_traffic * (expert_tokens - tokens)) * per_element
-    traffic_b = (ops.layer_backward_traffic * tokens + ops.expert_backward_traffic * (expert_tokens - tokens)
-                 + ops.layer_backward_fixed / expert_split) * per_element
+    traffic_f = ((ops.layer_forward_traffic - ops.expert_forward_traffic) * tokens
+                 + ops.expert_forward_traffic * expert_tokens) * per_element
+    traffic_b = ((ops.layer_backward_traffic - ops.expert_backward_traffic) * tokens
+                 + ops.expert_backward_traffic * expert_tokens + ops.layer_backward_fixed / expert_split) * per_element
     if stack.compiled_blocks:  # inductor fuses the element-wise ops: few kernels, no unfused traffic
         ops = replace(ops, layer_forward=COMPILED_BLOCK_OPS[0], layer_backward=COMPILED_BLOCK_OPS[1])
         traffic_f = traffic_b = 0.0

@@ -307,7 +307,7 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
                      2 if dropout else 1, 1)
     if not stack.fused_elementwise and device.host is None:
         # Eager PyTorch: unfused RMSNorm, RoPE, SwiGLU and autograd's sums move this much more (eager_ops).
-        ops = eager_ops(m, m.experts // shape.ep if m.is_moe else None)
+        ops = eager_ops(m, shape.ep)
         per_token = tokens / t * e
         work.elementwise(device, ops.layer_forward_traffic * per_token,
                          ops.layer_backward_traffic * per_token + ops.layer_backward_fixed / t * e, 0, 0)

@@ -72,7 +72,7 @@ def expert_param_share(model: ModelSpec) -> tuple[float, float]:
 
 
 # What fivefold's eager MoE block (models/moe.py) dispatches beyond the dense block it replaces, counted with
-# a TorchDispatchMode on torch 2.13 (tests/test_cost_calibration_host.py recounts them): routing, sorting,
+# a TorchDispatchMode on torch 2.13 (tests/test_cost_eager_counts.py recounts them): routing, sorting,
 # gathers and the weighted sum (fixed), each local expert's MLP in the Python loop over experts, and a
 # shared-expert MLP; by MLP kind, (forward, backward).
 MOE_FIXED_OPS = {"swiglu": (15, 9), "gelu": (19, 13)}
@@ -94,20 +94,19 @@ def moe_block_ops(model: ModelSpec, local_experts: int) -> tuple[int, int]:
     return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
 
-def moe_block_traffic(model: ModelSpec) -> tuple[float, float, float, float]:
-    """(forward, backward) elements per token the eager MoE block's element-wise ops move beyond cost/layer.py's
-    fused kernels, then the part of them that belongs to the routed and shared experts; fitted on the
-    runtime's block like eager_ops' dense formulas (within 1%): per routed copy the row gather, the
-    concatenation of the experts' outputs, the un-permute and the weighted sum (4h forward; 14h backward
-    with SwiGLU's products, 2f / 4f), per shared expert 3h + 2f / 6h + 4f; the rest is the dense block's
-    norms and RoPE."""
-    h, f, kv, k, s = model.hidden, model.expert_ffn_hidden, model.kv_heads * model.head_dim, model.top_k, \
-        model.shared_experts
+def moe_mlp_traffic(model: ModelSpec) -> tuple[float, float, float, float]:
+    """Elements per token the eager MoE block's element-wise ops move beyond cost/layer.py's fused kernels in
+    place of the dense MLP's (forward, backward), then the part of them that is the routed and shared
+    experts' own; fitted on the runtime's block like eager_ops' dense formulas (within 1%): routing and
+    the weighted sum (RoPE family: 3h backward; GPT family: 2h / 5h), per routed copy the row gather, the
+    concatenation of the experts' outputs and the un-permute (4h forward; 14h backward with SwiGLU's
+    products, 2f / 4f), per shared expert 3h + 2f / 6h + 4f."""
+    h, f, k, s = model.hidden, model.expert_ffn_hidden, model.top_k, model.shared_experts
     if model.position == "rope":
-        experts = (k * (4 * h + 2 * f) + s * (3 * h + 2 * f), k * (14 * h + 4 * f) + s * (6 * h + 4 * f))
-        return 32 * h + 5 * kv + experts[0], 75 * h + experts[1], *experts
-    experts = (4 * k * h + 3 * s * h, 11 * k * h + 3 * s * h)
-    return 2 * h + experts[0], 20 * h + experts[1], *experts
+        forward, backward = k * (4 * h + 2 * f) + s * (3 * h + 2 * f), k * (14 * h + 4 * f) + s * (6 * h + 4 * f)
+        return forward, 3 * h + backward, forward, backward
+    forward, backward = 4 * k * h + 3 * s * h, 11 * k * h + 3 * s * h
+    return 2 * h + forward, 5 * h + backward, forward, backward
 
 
 def expert_gradient_stack(model: ModelSpec, local_experts: int) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fivefold.cost.cache import IdentityCache
-from fivefold.cost.moe import expert_gradient_stack, moe_block_ops, moe_block_traffic, moe_share
+from fivefold.cost.moe import expert_gradient_stack, moe_block_ops, moe_mlp_traffic, moe_share
 from fivefold.errors import SpecError
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.units import GIB
@@ -123,9 +123,11 @@ STACKS: dict[str, SoftwareStack] = {
     "modern": SoftwareStack(features=Features(fp8=True, fp8_all_gather=True, built_on="any current framework")),
     # Megatron-Core with Transformer Engine as NVIDIA benchmarks it: TP communication overlapped with
     # GEMMs, distributed optimizer with overlapped gradient reduce and parameter gather.
-    "megatron-core": SoftwareStack(name="megatron-core", overlap_tp_comm=True, unfused_cross_entropy=True, features=Features(
-        schedules=("1f1b", "interleaved-1f1b"), zero_levels=(0, 1), cp_methods=("allgather", "ulysses"),
-        fp8=True, built_on="Megatron-Core + Transformer Engine, distributed optimizer")),
+    "megatron-core": SoftwareStack(
+        name="megatron-core", overlap_tp_comm=True, unfused_cross_entropy=True,
+        features=Features(schedules=("1f1b", "interleaved-1f1b"), zero_levels=(0, 1),
+                          cp_methods=("allgather", "ulysses"), fp8=True,
+                          built_on="Megatron-Core + Transformer Engine, distributed optimizer")),
     # Megatron-LM of 2021-22 (the vTrain measurements): no FlashAttention (scores materialized, fused
     # scale-mask-softmax), the "local" DDP all-reduces gradients after backward, blocking pipeline p2p,
     # and a Python-heavy layer with tensor-parallel RNG tracking and activation-checkpoint wrappers.
@@ -222,10 +224,10 @@ class EagerOps:
     expert_backward_traffic: float = 0.0  # split: SoftwareStack.moe_replicated_over_tp)
 
 
-def eager_ops(model: ModelSpec, local_experts: int | None = None) -> EagerOps:
+def eager_ops(model: ModelSpec, ep: int = 1) -> EagerOps:
     """The counts for this model's block variant, counted with a TorchDispatchMode on torch 2.13
-    (tests/test_cost_calibration_host.py recounts them on the runtime's modules). MoE models: the average
-    block over their dense and MoE layers, with `local_experts` (default: all) per MoE block (cost/moe.py).
+    (tests/test_cost_eager_counts.py recounts them on the runtime's modules). MoE models: the average
+    block over their dense and MoE layers, an MoE block holding experts / ep experts (cost/moe.py).
 
     The GPT block (LayerNorm, learned positions, GeLU, biases, one kv head per head) dispatches 39 ops
     forward and 93 backward; RoPE adds the cos/sin tables and two rotations (28 / 14); SwiGLU the gate
@@ -244,21 +246,24 @@ def eager_ops(model: ModelSpec, local_experts: int | None = None) -> EagerOps:
     rms, grouped = model.norm == "rmsnorm", model.kv_heads < model.heads
     learned = model.position == "learned"
     h, f, kv = model.hidden, model.ffn_hidden, model.kv_heads * model.head_dim
-    forward_traffic, backward_traffic = ((32.0 * h + 6 * f + 5 * kv, 72.0 * h + 4 * f) if rope
-                                         else (0.0, 15.0 * h + f))
+    # Traffic beyond the MLP's, then the dense MLP's (which an MoE block replaces).
+    forward_traffic, backward_traffic = (32.0 * h + 5 * kv, 72.0 * h) if rope else (0.0, 15.0 * h)
+    mlp_traffic = (6 * f, 4 * f) if rope else (0, f)
     forward = 39.0 + 28 * rope + 5 * swiglu + 12 * rms + 8 * grouped
     backward = 93.0 + 14 * rope + 6 * swiglu + 18 * rms + 7 * grouped
     fixed, expert_traffic = 0.0, (0.0, 0.0)
     share = moe_share(model)
     if share > 0:
-        local = model.experts if local_experts is None else local_experts
+        local = model.experts // ep
         extra_forward, extra_backward = moe_block_ops(model, local)
-        moe_forward, moe_backward, experts_forward, experts_backward = moe_block_traffic(model)
+        moe_forward, moe_backward, experts_forward, experts_backward = moe_mlp_traffic(model)
         forward, backward = forward + share * extra_forward, backward + share * extra_backward
-        forward_traffic += share * (moe_forward - forward_traffic)
-        backward_traffic += share * (moe_backward - backward_traffic)
+        forward_traffic += share * moe_forward
+        backward_traffic += share * moe_backward
         fixed = share * expert_gradient_stack(model, local)
         expert_traffic = (share * experts_forward, share * experts_backward)
+    forward_traffic += (1 - share) * mlp_traffic[0]
+    backward_traffic += (1 - share) * mlp_traffic[1]
     return EagerOps(
         layer_forward=forward, layer_backward=backward,
         embedding_forward=1 + 2 * learned, embedding_backward=1 + 4 * learned,

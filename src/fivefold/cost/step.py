@@ -22,13 +22,14 @@ How the step time is composed (the simulator replays exactly this from Estimate.
 5. step_time_s = pipeline_s + dp_comm_exposed_s + optimizer_s.
 On a profiled CPU rank (Calibration.host) a stack with `eager_host_costs` becomes its CPU variant
 (host.stack_on_profiled_cpu: one collective per FSDP module, reductions overlapped only where the runtime
-overlaps them on gloo) and adds its measured host
-costs in series (one thread computes and dispatches): each pass costs its eager ops (stack.eager_ops) x seconds
-per op (DTensor's with tp > 1, and what each DTensor collective costs beyond the collective), plus the
-FSDP2 hooks of each wrapped module (each block and each stage model) when dp > 1, and the memory traffic of its unfused element-wise ops beyond the fused kernels; the zero-bubble schedules' split backward
-adds its graph walks to the W pass of every stage but the first (host.split_backward_host); the host side of every FSDP gather and reduction joins dp_comm_exposed_s, as do the
-runtime's small per-step collectives (gradient norm, loss, metrics), and the optimizer pays a per-tensor
-cost (cost/dataparallel.py).
+overlaps them on gloo) and adds its measured host costs in series (one thread computes and dispatches):
+each pass costs its eager ops (stack.eager_ops) x seconds per op (DTensor's with tp > 1, and what each
+DTensor collective costs beyond the collective), plus the FSDP2 hooks of each wrapped module (each block and
+each stage model) when dp > 1, and the memory traffic of its unfused element-wise ops beyond the fused
+kernels; the zero-bubble schedules' split backward adds its graph walks to the W pass of every stage but
+the first (host.split_backward_host); the host side of every FSDP gather and reduction joins
+dp_comm_exposed_s, as do the runtime's small per-step collectives (gradient norm, loss, metrics), and the
+optimizer pays a per-tensor cost (cost/dataparallel.py).
 Memory: a rank's peak = its model states (ZeRO; gradients stay whole when the stack reduces them only
 once per step) + in-flight micro-batches x stored activations (cost/memory.py) + transient working
 memory (ZeRO-3: the layers being gathered, or all of the rank's weights when they stay gathered between
@@ -45,8 +46,9 @@ from fivefold.cost.comm import GroupLink, Topology, p2p_time, topology_of
 from fivefold.cost.dataparallel import (data_parallel_time, fsdp_host_time, optimizer_host_time, optimizer_time,
                                        parameter_tensors)
 from fivefold.cost.flops import hardware_flops_per_step, model_flops_per_step
-from fivefold.cost.host import bookkeeping_time, ddp_on_cpu, split_backward_host, stack_on_profiled_cpu, with_host_costs
-from fivefold.cost.layer import ZERO_PASS, padded_vocab
+from fivefold.cost.host import (bookkeeping_time, ddp_on_cpu, split_backward_host, stack_on_profiled_cpu,
+                                 with_host_costs)
+from fivefold.cost.layer import padded_vocab
 from fivefold.cost.layout import (Layout, LayerCosts, RankEnv, RankGroup, layer_costs, rank_envs, stage_owners,
                                   stage_params)
 from fivefold.cost.memory import RankMemory, in_flight_chunks, zero_model_state_bytes
@@ -173,9 +175,8 @@ def _rank_groups(layout: Layout, stack: SoftwareStack) -> _RankGroups:
     for layers, first, last, chunks, env, ranks in shapes:
         if id(env) not in costs_of:
             costs_of[id(env)] = with_host_costs(layout, env, stack, layer_costs(layout, env, stack))
-        split = ZERO_PASS  # the first stage's W pass is one full backward, the others' split (profiled CPU)
-        if env.device.host is not None:
-            split = split_backward_host(layout, env, stack, layers / chunks, chunks - (1 if first else 0))
+        # The first stage's W pass is one full backward, the others' split (on a profiled CPU).
+        split = split_backward_host(layout, env, stack, layers / chunks, chunks - (1 if first else 0))
         group = RankGroup(layout, stack, env, costs_of[id(env)], layers, first, last, chunks, embedding_activation,
                           split)
         group.ranks = ranks
@@ -236,7 +237,8 @@ def _memory(layout: Layout, ranks: _RankGroups, headroom: float) -> _Memory:
     e, tokens, sync, costs_of = ranks.element_bytes, ranks.tokens, ranks.sync, ranks.costs_of
     activation_message = ranks.activation_message
     copies = stack.loss_fp32_copies + (stack.loss_parallel_fp32_copies if layout.tp > 1 else 0)
-    vocab_share = layout.model.vocab if stack.tp_gathers_logits else padded_vocab(layout.model.vocab, layout.tp) / layout.tp
+    vocab = layout.model.vocab
+    vocab_share = vocab if stack.tp_gathers_logits else padded_vocab(vocab, layout.tp) / layout.tp
     logits = (4 * copies + e) * tokens * vocab_share
     if stack.pipeline_keeps_outputs and stack.pipeline_returns_outputs and p > 1:  # logits kept to be returned
         logits += (m_batches - 1) * kept_output_bytes(stack, e) * tokens * vocab_share

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from fivefold.profile.kernels import median_seconds
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+PAIR_COLLECTIVES = tuple(c for c in COLLECTIVES if c != "send_recv")  # send/recv pairs two ranks already
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,14 @@ def measure_collectives_here(rank: int, ranks: int, quick: bool, device: torch.d
     ranks (0-1, 2-3, ...), every pair at once: a plan's 2-way tp, cp, ep or dp groups run side by side like
     that, and on shared cores a pair's collectives are not what they are with the other ranks idle."""
     _measure(rank, ranks, quick, device, emit, COLLECTIVES, None)
-    if ranks >= 4 and ranks % 2 == 0:
+    if measures_pairs(ranks):
         pairs = [dist.new_group([first, first + 1]) for first in range(0, ranks, 2)]  # every rank makes each
-        _measure(rank, 2, quick, device, emit, tuple(c for c in COLLECTIVES if c != "send_recv"), pairs[rank // 2])
+        _measure(rank, 2, quick, device, emit, PAIR_COLLECTIVES, pairs[rank // 2])
+
+
+def measures_pairs(ranks: int) -> bool:
+    """Whether a profile of `ranks` ranks also times PAIR_COLLECTIVES over pairs of ranks side by side."""
+    return ranks >= 4 and ranks % 2 == 0
 
 
 def _measure(rank: int, ranks: int, quick: bool, device: torch.device, emit: Callable[[CollectivePoint], None],

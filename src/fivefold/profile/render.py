@@ -49,14 +49,14 @@ def profile_renderables(profile: Profile, out: str) -> list:
 
 def profile_steps(nproc: int, quick: bool, gpu: bool) -> int:
     """How many measurements `run_profile` reports through on_step (the progress bar's total)."""
-    from fivefold.profile.collectives import COLLECTIVES, message_sizes
+    from fivefold.profile.collectives import COLLECTIVES, PAIR_COLLECTIVES, measures_pairs, message_sizes
     from fivefold.profile.kernels import gemm_shapes
 
     total = (3 if gpu else 2) * len(gemm_shapes(quick)) + 1
     if nproc > 1:
         total += len(COLLECTIVES) * len(message_sizes(quick))
-    if nproc >= 4 and nproc % 2 == 0:  # again over pairs of ranks, send/recv aside (collectives.py)
-        total += (len(COLLECTIVES) - 1) * len(message_sizes(quick))
+    if measures_pairs(nproc):
+        total += len(PAIR_COLLECTIVES) * len(message_sizes(quick))
     return total
 
 

@@ -73,8 +73,7 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, use_cuda: bool, compu
             dist.barrier()
             emit("memory", measure_memory_bandwidth(device, quick, line_up=dist.barrier, agree=agree))
             emit("host", measure_host_costs(grid["alone"], quick, grid["world"] if ranks > 1 else None, pairs,
-                                            line_up=dist.barrier,
-                                            agree=lambda count: agree_with_rank0(count, device)))
+                                            line_up=dist.barrier, agree=agree))
         if ranks > 1:
             dist.barrier()
             measure_collectives_here(rank, ranks, quick, device, lambda p: emit("collective", p))

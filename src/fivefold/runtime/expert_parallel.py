@@ -196,10 +196,15 @@ def moe_step_metrics(parts: dict[int, nn.Module], plan: Plan, device: torch.devi
             load = loads[moe_layer_ids.index(layer)]
             step = model.router_bias_rate * torch.sign(load.mean() - load)
             block.expert_bias.add_(step.to(block.expert_bias.device, torch.float32))
-    per_layer = (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-12)).tolist()
+    per_layer = _max_over_mean(loads).tolist()
     metrics = {"aux_loss": totals[-1].item(), "expert_load_max_over_mean": max(per_layer),
                "expert_load_per_layer": [round(v, 4) for v in per_layer]}
     if plan.ep > 1:  # what the step waits for: the busiest ep rank's experts (train.expert_imbalance's meaning)
-        ranks = loads.view(len(moe_layer_ids), plan.ep, -1).sum(dim=2)
-        metrics["expert_rank_imbalance"] = (ranks.max(dim=1).values / ranks.mean(dim=1).clamp(min=1e-12)).mean().item()
+        per_rank = loads.view(len(moe_layer_ids), plan.ep, -1).sum(dim=2)
+        metrics["expert_rank_imbalance"] = _max_over_mean(per_rank).mean().item()
     return metrics
+
+
+def _max_over_mean(loads: torch.Tensor) -> torch.Tensor:
+    """Per row (an MoE layer): the largest load over the mean load."""
+    return loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-12)
