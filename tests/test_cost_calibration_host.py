@@ -256,3 +256,35 @@ def test_cpu_reductions_overlap_the_backward_where_the_runtime_overlaps_them(lay
 
     plan = _plan(2 * layout.get("tp", 1) * layout.get("pp", 1), **layout)
     assert stack_on_profiled_cpu(Layout.of_plan(plan), FIVEFOLD).overlap_grad_reduce is overlapped
+
+
+def test_an_overlapped_reduction_charges_its_measured_in_series_part():
+    """DDP's all-reduce overlaps the backward, but on CPU ranks the profile's overlapped_collective factor of
+    its byte-moving part (the collective less its one-element latency) is paid in series."""
+    from types import SimpleNamespace
+
+    from fivefold.cost.comm import all_reduce_time, topology_of
+    from fivefold.cost.dataparallel import in_series_reduction
+    from fivefold.cost.layout import Layout, rank_envs
+
+    def plan_with(factor: float) -> Plan:
+        host = dataclasses.replace(HOST, overlapped_collective=factor)
+        return Plan(model=PRESETS["tiny"], cluster=cpu_cluster(2, host), train=TrainSpec(global_batch=4, dtype="fp32"),
+                    dp=2, zero=0, micro_batch=2)
+
+    measured = plan_with(0.8)
+    layout = Layout.of_plan(measured)
+    group = SimpleNamespace(env=rank_envs(layout, topology_of(measured.cluster))[0], dense=measured.model.num_params(),
+                            expert=0)
+    link = group.env.replicas
+    reduce = all_reduce_time(group.dense * 4, link)
+    assert reduce > 0
+    series = in_series_reduction(layout, FIVEFOLD, group, 1, reduce)
+    # The catalog link's ring: 2 (n-1) x latency + 2 (n-1)/n x bytes / bandwidth; the latency overlaps.
+    assert series == pytest.approx(0.8 * (reduce - all_reduce_time(4, link)), rel=1e-9)
+    assert series == pytest.approx(0.8 * (group.dense - 1) * 4 / link.ring_bandwidth, rel=1e-9)
+    charged, hidden = estimate(measured, FIVEFOLD), estimate(plan_with(0.0), FIVEFOLD)
+    # What is in series no longer queues beside the backward: the step grows by the series part, less at most
+    # the queue's share that the overlapped version left exposed.
+    grown = charged.step_time_s - hidden.step_time_s
+    assert series - reduce / measured.model.layers <= grown <= series + 1e-12

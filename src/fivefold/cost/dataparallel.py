@@ -122,6 +122,19 @@ def sync_seconds(layout: Layout, stack: SoftwareStack, env: RankEnv, dense: floa
     return reduce, gather
 
 
+def in_series_reduction(layout: Layout, stack: SoftwareStack, group: RankGroup, modules: int,
+                        reduce: float) -> float:
+    """Seconds of an overlapped gradient reduction (`reduce`, the rank's collectives) that its passes still
+    pay on a profiled CPU rank: the measured overlapped_collective factor times the collectives' byte-moving
+    part (less what the same collectives of one element take, their latency, which does overlap)."""
+    host = group.env.device.host
+    if host is None or host.overlapped_collective <= 0 or reduce <= 0:
+        return 0.0
+    latency, _ = sync_seconds(layout, stack, group.env, modules if group.dense > 0 else 0,
+                              modules if group.expert > 0 else 0, modules)
+    return host.overlapped_collective * max(0.0, reduce - latency)
+
+
 def _sync_bytes(layout: Layout, stack: SoftwareStack) -> tuple[int, int]:
     """(bytes per gradient element reduced, bytes per weight element gathered)."""
     weight_bytes = 4 if layout.train.dtype == "fp32" else 2
@@ -193,6 +206,8 @@ def data_parallel_time(layout: Layout, stack: SoftwareStack, groups: list[RankGr
         forward, backward_input, backward_weight = group.work
         modules = group.layers + group.chunks if stack.collective_per_module else 1
         reduce, gather = sync_seconds(layout, stack, group.env, group.dense, group.expert, modules)
+        # In series with the passes: what of an overlapped reduction the rank's cores still do (CPU ranks).
+        series = in_series_reduction(layout, stack, group, modules, reduce) if policy.reduce_overlapped else 0.0
         ends = group.first or group.last
         if reduce <= 0 and gather <= 0 and not (ends and tied > 0):
             stretched.append(group.work)
@@ -200,11 +215,13 @@ def data_parallel_time(layout: Layout, stack: SoftwareStack, groups: list[RankGr
         chunks = group.chunks
         f, b, w = forward / chunks, backward_input / chunks, backward_weight / chunks
         layers = max(1.0, group.layers / chunks)
-        reduce_c, gather_c = reduce / chunks, gather / chunks
+        reduce_c, gather_c = max(0.0, reduce - series) / chunks, gather / chunks  # what is left to overlap
         total = max(total, _total(policy, reduce, gather, m, p) + (tied if ends else 0.0))
         work = group.work
-        if (per_pass and gather > 0) or (in_passes and reduce > 0):
+        if (per_pass and gather > 0) or (in_passes and reduce_c > 0):
             work = held_passes(policy, work, chunks, f, b, w, layers, reduce_c, gather_c, split, m, p)
+        if series > 0 and in_passes:  # every micro-batch's reduction
+            work = (work[0], work[1], work[2] + series) if split else (work[0], work[1] + series, work[2])
         stretched.append(work)
         if policy.gathers_once and group.ranks[0] == 0:
             head = _head(layout.schedule, p, v, f, layers, gather_c, policy.gather_overlapped)
@@ -216,6 +233,8 @@ def data_parallel_time(layout: Layout, stack: SoftwareStack, groups: list[RankGr
                 ready = max(ready, _queue_end(finishes, reduce_c, layers, policy.reduce_overlapped))
                 if policy.reduce_every_micro_batch:  # reductions longer than the rank's work pile up
                     ready += (m - 1) * max(0.0, reduce - forward - backward_input - backward_weight)
+            if series > 0 and not in_passes:
+                ready += series
             group_tail = max(group_tail, ready)
         tail = max(tail, group_tail)
         if ends:

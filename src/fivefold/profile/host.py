@@ -16,7 +16,11 @@ at a negligible size (hidden 32, 8 tokens), so what is left is the per-op cost, 
   backward) over all N ranks adds to that, per wrapped module, less a bare all-gather / reduce-scatter of
   the same size: FSDP's own cost around each collective (the collective itself is in the curves);
 - optimizer_tensor / optimizer_dtensor: the runtime's AdamW step and zero_grad per parameter tensor,
-  plain and with FSDP's DTensor parameters.
+  plain and with FSDP's DTensor parameters;
+- overlapped_collective: an asynchronous all-reduce of a DDP bucket's size issued before a GEMM loop
+  about twice its length and waited for after it, against the loop alone, per second of the bare
+  all-reduce's byte-moving part (its time less that of the smallest message): what of a reduction that
+  "overlaps" the backward the backward still pays (copies and sums on the cores it computes on).
 The caller runs this in every rank at once, so each measures what it gets while the others work too.
 Loops that issue collectives run the same number of times on every rank (`agree`).
 """
@@ -216,6 +220,34 @@ def _split_backward_extra(layers: int, timer: _Timer) -> float:
     return max(0.0, timer.parts(extra)[0])
 
 
+OVERLAP_PROBE_BYTES = 16 << 20  # a DDP bucket (25 MB by default) and an FSDP2 block's gradients are this big
+OVERLAP_PROBE_GEMM = 256
+
+
+def _overlapped_collective(group, timer: _Timer) -> float:
+    """overlapped_collective over `group` (module docstring); every rank runs the same loops."""
+    message, latency_probe = torch.ones(OVERLAP_PROBE_BYTES // 4), torch.ones(1)
+    left, right = torch.randn(OVERLAP_PROBE_GEMM, OVERLAP_PROBE_GEMM), torch.randn(OVERLAP_PROBE_GEMM, OVERLAP_PROBE_GEMM)
+    product = torch.empty(OVERLAP_PROBE_GEMM, OVERLAP_PROBE_GEMM)
+    bare = timer.call(lambda: dist.all_reduce(message, group=group))
+    floor = timer.call(lambda: dist.all_reduce(latency_probe, group=group))
+    one_gemm = timer.call(lambda: torch.mm(left, right, out=product))
+    gemms = timer.agree(max(1, int(2 * bare / max(one_gemm, 1e-7))))
+
+    def compute() -> None:
+        for _ in range(gemms):
+            torch.mm(left, right, out=product)
+
+    def overlapped() -> None:
+        work = dist.all_reduce(message, group=group, async_op=True)
+        compute()
+        work.wait()
+
+    alone = timer.call(compute)
+    together = timer.call(overlapped)
+    return max(0.0, together - alone) / max(bare - floor, 1e-7)
+
+
 SPLIT_PROBE_LAYERS = 4  # with 1 layer: the per-layer and the per-pair terms apart (4 a + 6 b against a)
 
 
@@ -256,13 +288,15 @@ def measure_host_costs(alone_mesh, quick: bool, world_mesh=None, pair_mesh=None,
     sharded.set_reshard_after_backward(False)
     line_up()
     hooks_forward, hooks_backward = timer.passes(sharded, inputs)
-    bare_gather = bare_reduce = 0.0
+    bare_gather = bare_reduce = overlapped_collective = 0.0
     if world_mesh is not None:
         shard = PROBE_MODEL.params_per_layer() // world_mesh.size()
         line_up()
         bare_gather = _bare_collective("all_gather", world_mesh.get_group(), shard, timer)
         line_up()
         bare_reduce = _bare_collective("reduce_scatter", world_mesh.get_group(), shard, timer)
+        line_up()
+        overlapped_collective = _overlapped_collective(world_mesh.get_group(), timer)
     line_up()
     split_one = _split_backward_extra(1, timer)
     line_up()
@@ -278,4 +312,5 @@ def measure_host_costs(alone_mesh, quick: bool, world_mesh=None, pair_mesh=None,
         fsdp_unit_backward=max(0.0, hooks_backward - backward) / units,
         fsdp_gather=max(0.0, (gathering_forward - hooks_forward) / units - bare_gather),
         fsdp_reduce=max(0.0, (reducing_backward - hooks_backward) / units - bare_reduce),
-        optimizer_tensor=optimizer_tensor, optimizer_dtensor=optimizer_dtensor)
+        optimizer_tensor=optimizer_tensor, optimizer_dtensor=optimizer_dtensor,
+        overlapped_collective=overlapped_collective)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fivefold.local import free_port, threads_per_worker
+from fivefold.local import free_port, threads_per_worker, tune_allocator
 from fivefold.profile.collectives import CollectivePoint, agree_with_rank0, measure_collectives_here
 from fivefold.profile.kernels import GemmPoint, measure_gemm, measure_memory_bandwidth
 from fivefold.spec.cluster import HostCosts
@@ -43,6 +43,7 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, use_cuda: bool, compu
     from fivefold.interrupt import quiet_sigint_in_worker
 
     quiet_sigint_in_worker()  # Ctrl-C reaches the whole process group: end without a traceback
+    tune_allocator()  # as a training worker (runtime/launch.py)
     from fivefold.runtime.mesh import init_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(ranks))

@@ -23,7 +23,7 @@ from fivefold.elastic.report import build_report, write_report
 from fivefold.elastic.restart import newest_complete
 from fivefold.errors import SpecError, require
 from fivefold.interrupt import Interrupted, interrupted_line, quiet_sigint_in_worker
-from fivefold.local import free_port, threads_per_worker
+from fivefold.local import free_port, threads_per_worker, tune_allocator
 from fivefold.runtime.config import RunConfig, check_gpu_dtype
 from fivefold.spec import Plan
 from fivefold.spec.plan import SPLIT_BACKWARD
@@ -211,6 +211,7 @@ def worker_entry(configs: list[RunConfig]) -> list[dict]:
     from fivefold.runtime.train import train
 
     quiet_sigint_in_worker()  # a terminal's Ctrl-C reaches every worker too: end without a traceback
+    tune_allocator()
     try:
         knobs = FaultKnobs.from_env()  # test-only fault knobs (knobs.py); none set in a real run
         return [train(config, knobs) for config in configs]
@@ -331,6 +332,7 @@ def run_torchrun_worker(config: RunConfig) -> dict | None:
     from fivefold.runtime.knobs import FaultKnobs
     from fivefold.runtime.train import train
 
+    tune_allocator()
     summary = train(config, FaultKnobs.from_env())
     if dist.is_initialized():
         dist.destroy_process_group()

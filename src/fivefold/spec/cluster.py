@@ -49,6 +49,11 @@ class HostCosts:
     # (each weight-gradient call walks the autograd graph of every layer beneath it in the stage).
     split_backward_layer: float = 0.0
     split_backward_layer_pair: float = 0.0
+    # How much of an asynchronous gradient reduction still lengthens the backward it runs beside, per second
+    # of the bare collective's byte-moving part, with every rank computing (a dimensionless factor: 0 =
+    # hidden; 1 = in series; more = slower than alone). On CPU ranks the collective's copies and sums take
+    # the cores the backward computes on.
+    overlapped_collective: float = 0.0
 
     def to_dict(self) -> dict:
         return {name: getattr(self, name) for name in HOST_COST_FIELDS}
@@ -102,7 +107,7 @@ def calibration_from_dict(data: dict, where: str) -> Calibration:
             require(key in HOST_COST_FIELDS, f"{where}.calibration.host.{key}", value,
                     f"unknown key; known: {', '.join(HOST_COST_FIELDS)}")
             require(is_real(value) and value >= 0, f"{where}.calibration.host.{key}", value,
-                    "must be a non-negative number of seconds")
+                    "must be a non-negative number (seconds; overlapped_collective: a factor)")
         host = HostCosts(**{key: float(value) for key, value in table.items()})
     return Calibration(gemm, collectives, str(data.get("source", "")), host, processes, threads)
 
