@@ -227,8 +227,7 @@ OVERLAP_PROBE_GEMM = 256
 def _overlapped_collective(group, timer: _Timer) -> float:
     """overlapped_collective over `group` (module docstring); every rank runs the same loops."""
     message, latency_probe = torch.ones(OVERLAP_PROBE_BYTES // 4), torch.ones(1)
-    left, right = torch.randn(OVERLAP_PROBE_GEMM, OVERLAP_PROBE_GEMM), torch.randn(OVERLAP_PROBE_GEMM, OVERLAP_PROBE_GEMM)
-    product = torch.empty(OVERLAP_PROBE_GEMM, OVERLAP_PROBE_GEMM)
+    left, right, product = (torch.randn(OVERLAP_PROBE_GEMM, OVERLAP_PROBE_GEMM) for _ in range(3))
     bare = timer.call(lambda: dist.all_reduce(message, group=group))
     floor = timer.call(lambda: dist.all_reduce(latency_probe, group=group))
     one_gemm = timer.call(lambda: torch.mm(left, right, out=product))
