@@ -53,6 +53,13 @@ ROWS: dict[str, tuple[int, dict, dict]] = {
 }
 
 
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and batch every row is built from (make_plan reads them)."""
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--global-batch", type=int, default=16)
+
+
 def make_plan(args: argparse.Namespace, row: str):
     from fivefold.spec import Plan, TrainSpec, parse_cluster, parse_model
 
@@ -142,9 +149,7 @@ def load_average() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="small")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--global-batch", type=int, default=16)
+    add_shape_arguments(parser)
     parser.add_argument("--steps", type=int, default=8, help="steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run left out")
     parser.add_argument("--rounds", type=int, default=3)

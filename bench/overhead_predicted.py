@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from closed_loop import STACK, load_average, profile_files, train_plans  # noqa: E402
-from overhead import ROWS, make_plan  # noqa: E402
+from overhead import ROWS, add_shape_arguments, make_plan  # noqa: E402
 
 from fivefold.report import build_report, load_run  # noqa: E402
 from fivefold.spec import parse_cluster  # noqa: E402
@@ -32,9 +32,7 @@ from fivefold.spec import parse_cluster  # noqa: E402
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="small")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--global-batch", type=int, default=16)
+    add_shape_arguments(parser)
     parser.add_argument("--steps", type=int, default=8, help="steps per run (the first 2 are warm-up)")
     parser.add_argument("--repeats", type=int, default=3, help="launches per process count; measured = their median")
     parser.add_argument("--out-dir", default="out/overhead_predicted", help="profiles and run folders")
