@@ -246,7 +246,7 @@ DATA = [
     ("convert --from-hf {d}/hf_text_number --out {d}/converted", "config.json:hidden_size='big': must be an integer, not a str"),
     ("report {d}/run_binary", "is not text; a metrics file holds one JSON object per line"),
     ("report {d}/run_list_line", "metrics.jsonl:1='[1, 2]': is not a JSON object"),
-    ("report {d}/run_per_rank", "step_time_s_per_rank=3: needs one value per rank"),
+    ("report {d}/run_per_rank", "step_time_s_per_rank=3: must be a list of finite numbers"),
     ("report {d}/nothing_here", "no such folder or file"),
 ]
 
