@@ -155,7 +155,12 @@ READ_BACK = [
      "fivefold.json:extra.train_state:step='2': must be an integer, not a str"),
 ]
 
-CASES = NUMBERS + MODEL + DECIDING_FLAG + USER_FILES + FOREIGN + READ_BACK
+SIZES = [
+    ("dryrun --model tiny --global-batch 100000 --seq-len 32 --cluster 1x1xcpu", "more than the dry run steps (1,024)"),
+    ("simulate --model tiny --global-batch 4000000 --seq-len 32", "more than the simulator replays"),
+]
+
+CASES = NUMBERS + MODEL + DECIDING_FLAG + USER_FILES + FOREIGN + READ_BACK + SIZES
 
 
 @pytest.mark.parametrize("argv, words", CASES, ids=[argv for argv, _ in CASES])
