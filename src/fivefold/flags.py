@@ -177,6 +177,26 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    "(and on the first, last, bad and straggler-suspect steps; default: 10)")
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (CPU: inductor "
                    "needs a C compiler; the first steps pay the compile time)")
+    add_diloco_flags(p)
+
+
+def add_diloco_flags(p: argparse.ArgumentParser) -> None:
+    """--dp-sync and the DiLoCo / Streaming DiLoCo flags of `train` (runtime/diloco.py, docs/low-bandwidth.md)."""
+    p.add_argument("--dp-sync", choices=["sync", "diloco"], default="sync",
+                   help="sync: sum gradients over dp every step (default); diloco: outer groups of dp replicas "
+                        "train on their own and exchange an outer gradient every --sync-every steps")
+    p.add_argument("--sync-every", type=int, default=50, help="DiLoCo H: inner steps between syncs (default: 50)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo outer SGD learning rate (default: 0.7)")
+    p.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="DiLoCo outer Nesterov momentum (default: 0.9)")
+    p.add_argument("--fragments", type=int, default=1,
+                   help="Streaming DiLoCo: fragments synced in turn, each on its own step of H (default: 1)")
+    p.add_argument("--overlap", type=int, default=0,
+                   help="Streaming DiLoCo: steps a fragment's exchange overlaps compute before it is applied (default: 0)")
+    p.add_argument("--outer-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="dtype of the exchanged outer gradients (default: fp32)")
+    p.add_argument("--diloco-groups", type=int, default=0, help="outer replicas (a divisor of dp); default: the "
+                   "cluster's + groups the dp replicas fall into, else 2")
 
 
 def add_serve_layout_flags(parser: argparse.ArgumentParser, for_search: bool = False) -> None:

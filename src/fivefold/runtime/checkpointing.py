@@ -13,6 +13,8 @@ What is saved, and why each part makes a resume exact or plan-independent:
                       stages that own other parameters find theirs (TorchTitan does the same).
     train_state       in fivefold.json: step, loader position (samples_seen, global) and LR schedule.
     rng               every rank's torch/numpy/python RNG states; restored when the layout is unchanged.
+    diloco            (--dp-sync diloco) outer weights and momentum, resharded like the model; each outer
+                      group's local weights and AdamW state under keys of its own (runtime/diloco.py).
 
 Saving: rank 0 clears leftovers of a save that died, then every rank stages a CPU copy of its state
 (training waits only for this copy) and DCP writes it from a background thread over a process group
@@ -54,6 +56,7 @@ from fivefold.checkpoint.resume import LAYOUT_FIELDS, TRAIN_STATE, architecture_
 from fivefold.data.loader import GlobalBatchLoader
 from fivefold.errors import SpecError
 from fivefold.runtime.config import RunConfig
+from fivefold.runtime.diloco import OuterLoop
 from fivefold.runtime.mesh import Mesh
 from fivefold.spec import Plan
 
@@ -141,8 +144,9 @@ class Checkpointer:
     """Saves and loads one worker's share of a training run (see the module docstring)."""
 
     def __init__(self, config: RunConfig, plan: Plan, mesh: Mesh, parts: dict[int, nn.Module],
-                 optimizer: torch.optim.Optimizer, loader: GlobalBatchLoader) -> None:
+                 optimizer: torch.optim.Optimizer, loader: GlobalBatchLoader, outer: OuterLoop | None = None) -> None:
         self.config = config
+        self.outer = outer
         self.plan = plan
         self.rank = mesh.rank
         self.optimizer = optimizer
@@ -172,10 +176,18 @@ class Checkpointer:
         """Plain ints and strings, the same on every rank; written into fivefold.json by rank 0."""
         return {"step": step, "loader": self.loader.state_dict(), "lr_schedule": self.schedule()}
 
+    def key(self, name: str) -> str:
+        """Where this rank's "model" / "optimizer" state lives: DiLoCo's outer groups keep their own."""
+        return self.outer.group_key(name) if self.outer is not None else name
+
     def state_dict(self) -> dict:
-        return {"model": get_model_state_dict(self.model),
-                "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=OPTIMIZER_OPTIONS),
-                "rng": {f"rank{self.rank}": rng_state()}}
+        state = {self.key("model"): get_model_state_dict(self.model),
+                 self.key("optimizer"): get_optimizer_state_dict(self.model, self.optimizer,
+                                                                 options=OPTIMIZER_OPTIONS),
+                 "rng": {f"rank{self.rank}": rng_state()}}
+        if self.outer is not None:
+            state["diloco"] = self.outer.state_dict()
+        return state
 
     # --- start: resume or initial weights ---------------------------------------------------
     def start(self, log: Log | None = None) -> int:
@@ -202,17 +214,28 @@ class Checkpointer:
     def load(self, path: Path, log: Log | None = None) -> int:
         info = read_checkpoint_info(path)
         train_state = info["extra"][TRAIN_STATE]
-        state = {"model": get_model_state_dict(self.model),
-                 "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=OPTIMIZER_OPTIONS)}
-        rng_key = f"rank{self.rank}"
         saved_keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+        def saved(name: str) -> str:  # this outer group's own key when saved (same outer groups), else group 0's
+            key = self.key(name)
+            return key if any(k.startswith(key + ".") for k in saved_keys) else name
+        state = {saved("model"): get_model_state_dict(self.model),
+                 saved("optimizer"): get_optimizer_state_dict(self.model, self.optimizer, options=OPTIMIZER_OPTIONS)}
+        with_outer = self.outer is not None and any(k.startswith("diloco.") for k in saved_keys)
+        if with_outer:
+            state["diloco"] = self.outer.state_dict()
+        rng_key = f"rank{self.rank}"
         restore_rng = same_layout(info.get("plan"), self.plan) and f"rng.{rng_key}" in saved_keys
         if restore_rng:
             state["rng"] = {rng_key: b""}
         # Each rank asks for its own keys and shards; DCP reads the overlapping parts of the saved chunks.
         dcp.load(state, checkpoint_id=str(path), process_group=self.group)
-        set_model_state_dict(self.model, state["model"])
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=OPTIMIZER_OPTIONS)
+        set_model_state_dict(self.model, state[saved("model")])
+        set_optimizer_state_dict(self.model, self.optimizer, state[saved("optimizer")], options=OPTIMIZER_OPTIONS)
+        if with_outer:
+            self.outer.load_state_dict(state["diloco"])
+        elif self.outer is not None:  # a checkpoint of synchronous training: the outer loop starts from it
+            self.outer.reset_to_local()
         self.loader.load_state_dict(train_state["loader"])
         if restore_rng:
             set_rng_state(state["rng"][rng_key])

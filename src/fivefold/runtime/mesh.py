@@ -92,14 +92,22 @@ def attempt_store(timeout: timedelta) -> dict:
             "rank": rank, "world_size": world}
 
 
-def build_mesh(plan: Plan, device: torch.device) -> Mesh:
-    """The DeviceMesh of `plan` over the processes of this launch."""
+def build_mesh(plan: Plan, device: torch.device, outer_groups: int = 1) -> Mesh:
+    """The DeviceMesh of `plan` over the processes of this launch. With `outer_groups` > 1 (DiLoCo,
+    runtime/diloco.py) the dp dim is cut into ("outer", "dp") = (outer_groups, dp / outer_groups): the same
+    ranks in the same order, and every use of the "dp" dim stays inside one outer group."""
     world_size = dist.get_world_size()
     if world_size != plan.world_size:
         raise RuntimeError(f"the plan needs {plan.world_size} processes (dp*tp*pp*cp) but {world_size} were started")
-    world = init_device_mesh(device.type, plan.mesh_shape, mesh_dim_names=MESH_DIMS)
+    shape, names = plan.mesh_shape, MESH_DIMS
+    if outer_groups > 1:
+        at = MESH_DIMS.index("dp")
+        shape = (*shape[:at], outer_groups, shape[at] // outer_groups, *shape[at + 1:])
+        names = (*MESH_DIMS[:at], "outer", *MESH_DIMS[at:])
+    world = init_device_mesh(device.type, shape, mesh_dim_names=names)
     rank = dist.get_rank()
     coords = plan.coords(rank)
+    inner = {**coords, "dp": coords["dp"] % (plan.dp // outer_groups)}
     # The mesh must number ranks the way the plan does, or the cost model described another layout.
-    assert [world.get_local_rank(dim) for dim in MESH_DIMS] == [coords[d] for d in MESH_DIMS], (coords, world)
+    assert [world.get_local_rank(dim) for dim in MESH_DIMS] == [inner[d] for d in MESH_DIMS], (coords, world)
     return Mesh(device=device, world=world, rank=rank, coords=coords)

@@ -45,13 +45,13 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def _replicas(plan: Plan, sharded_dims: set[str]) -> int:
+def _replicas(plan: Plan, sharded_dims: set[str], outer_groups: int = 1) -> int:
     """How many ranks hold an identical copy of a tensor sharded over `sharded_dims`: every mesh dim
     except pp (stages own disjoint weights) that does not shard it holds a replica."""
     count = 1
     for dim in MESH_DIMS:
         if dim != "pp" and dim not in sharded_dims:
-            count *= getattr(plan, dim)
+            count *= getattr(plan, dim) // (outer_groups if dim == "dp" else 1)  # DiLoCo: inside one group
     # Experts live on the (pp, edp, ep, tp) view of the same world (runtime/expert_parallel.py): ep and
     # edp together are the dp x cp ranks.
     if "ep" in sharded_dims:
@@ -62,10 +62,11 @@ def _replicas(plan: Plan, sharded_dims: set[str]) -> int:
 
 
 @torch.no_grad()
-def local_grad_norm_squared(params: list[nn.Parameter], plan: Plan) -> torch.Tensor:
+def local_grad_norm_squared(params: list[nn.Parameter], plan: Plan, outer_groups: int = 1) -> torch.Tensor:
     """This rank's share of the squared global gradient norm (float64 scalar): the squares of the gradient
     elements it holds, weighted by 1/replicas so that a tensor replicated over dp/tp/cp counts once. Summed
-    over the world (every stage, every shard) it is the square of the global norm. Same idea as TorchTitan's
+    over the world (every stage, every shard) it is the square of the global norm; with DiLoCo's
+    `outer_groups`, summed over one outer group it is that group's. Same idea as TorchTitan's
     dist_utils.clip_grad_norm_, which adds the pp all-reduce on top of DTensor's norm."""
     for param in params:
         grad = param.grad
@@ -86,7 +87,7 @@ def local_grad_norm_squared(params: list[nn.Parameter], plan: Plan) -> torch.Ten
             local = grad.to_local()
         else:
             sharded, local = set(), grad
-        locals_by_replicas.setdefault(_replicas(plan, sharded), []).append(local)
+        locals_by_replicas.setdefault(_replicas(plan, sharded, outer_groups), []).append(local)
     device = next((t.device for group in locals_by_replicas.values() for t in group), torch.device("cpu"))
     total_sq = torch.zeros((), dtype=torch.float64, device=device)
     for replicas, group in locals_by_replicas.items():

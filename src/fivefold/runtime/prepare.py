@@ -52,6 +52,7 @@ def prepare_run(plan: Plan, config: RunConfig, *, nproc: int | None, plan_file: 
         if is_rank0:
             say(line)
     check_runnable(plan, world, device, gpus, local_nproc)
+    config.diloco(plan)  # --dp-sync diloco against this plan: the outer groups must split its dp
     check_data(plan, config.data, config.tokenizer)
     resume_from = resume_checkpoint(plan, config.checkpoint_dir, config.resume, config.seed, config.steps, warn=warn)
     run_dir, plan_file = prepare_run_dir(plan, config, plan_file, is_rank0)

@@ -29,7 +29,8 @@ from fivefold.data.loader import GlobalBatchLoader
 from fivefold.elastic.events import restart_count
 from fivefold.elastic.restart import resume_point
 from fivefold.models import init_weights
-from fivefold.runtime.checkpointing import Checkpointer, log_to
+from fivefold.runtime.checkpointing import Checkpointer, StageModels, log_to
+from fivefold.runtime.diloco import OuterLoop, inner_sync_bytes
 from fivefold.runtime.config import RunConfig, check_gpu_dtype
 from fivefold.runtime.context_parallel import (apply_context_parallel, data_parallel_mesh, positions_per_row,
                                                shard_batch, split_micro_batches)
@@ -105,6 +106,13 @@ def replica_rows(plan: Plan, dp_rank: int) -> slice:
     return slice(start, start + rows[dp_rank])
 
 
+def group_rows(plan: Plan, group: int, groups: int) -> int:
+    """Rows of the global batch the dp replicas of outer group `group` train on (all rows with one group):
+    each group's loss is the mean over its own tokens, so its gradient summed inside the group is its own."""
+    block = plan.dp // groups
+    return sum(plan.micro_batches_of_replica(r) * plan.micro_batch for r in range(group * block, (group + 1) * block))
+
+
 def make_loader(config: RunConfig, plan: Plan) -> GlobalBatchLoader:
     from fivefold.data import load_tokenizer, open_dataset
 
@@ -175,7 +183,9 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     device = pick_device(config.device, plan)
     init_distributed(device, config.collective_timeout)
-    mesh = build_mesh(plan, device)
+    diloco = config.diloco(plan)  # None: gradients summed over the whole dp every step
+    groups = diloco.groups if diloco else 1
+    mesh = build_mesh(plan, device, groups)
     is_rank0 = mesh.rank == 0
     stream = sys.stderr if config.progress_to_stderr else sys.stdout
     log = log_to(stream) if is_rank0 else None
@@ -187,9 +197,10 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
     params = [p for part in parts.values() for p in part.parameters()]
     optimizer = build_optimizer(params, config.lr)
     loader = make_loader(config, plan)
-    loss_fn = knobs.loss(TokenCrossEntropy(plan.train.global_batch * plan.train.seq_len), loader,
-                         plan.train.global_batch)
     dp_rank = mesh.coords["dp"]
+    group_index = dp_rank // (plan.dp // groups)  # this rank's outer group (DiLoCo); 0 otherwise
+    loss_fn = knobs.loss(TokenCrossEntropy(group_rows(plan, group_index, groups) * plan.train.seq_len), loader,
+                         plan.train.global_batch)
     micro_batches = plan.micro_batches_of_replica(dp_rank)
     schedule = None
     if plan.pp > 1:
@@ -205,7 +216,10 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
     rows = replica_rows(plan, dp_rank)
     end_of_document = end_of_document_of(config, loader) if plan.train.document_mask else None
 
-    first_step = elastic.start(parts, Checkpointer(config, plan, mesh, parts, optimizer, loader))  # > 0: resumed
+    outer = OuterLoop(diloco, list(StageModels(parts).named_parameters()), mesh.group("outer") if groups > 1
+                      else None, group_index) if diloco else None
+    inner_bytes = inner_sync_bytes(plan, params, groups, micro_batches)
+    first_step = elastic.start(parts, Checkpointer(config, plan, mesh, parts, optimizer, loader, outer))  # > 0: resumed
     meter = StepMeter(plan, device, mesh.rank, "fp32" if param_dtype is None else "bf16", first_step)
     metrics = MetricsFile.for_run(config, is_rank0)  # metrics file, TensorBoard, progress for an interrupt
     progress = Progress(config.steps, f"training {plan.model.name}: {plan.describe()} on {plan.world_size} "
@@ -225,17 +239,21 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
         inputs, targets, extra = shard_batch(plan, mesh.coords["cp"], batch[:, :-1], batch[:, 1:], end_of_document)
         local_loss = forward_backward(step_model, inputs, targets, extra)
         # One all-reduce: gradient-norm squares, loss, and rank 0's request for per-rank metrics.
-        totals = reduce_step_totals(local_grad_norm_squared(params, plan), local_loss, plan, mesh.coords["tp"],
-                                    request_metrics=elastic.wants_per_rank_metrics())
+        totals = reduce_step_totals(local_grad_norm_squared(params, plan, groups), local_loss, plan,
+                                    mesh.coords["tp"], request_metrics=elastic.wants_per_rank_metrics(),
+                                    outer_groups=groups, outer_index=group_index)
         grad_norm, loss = totals.grad_norm, totals.loss
-        clip_to_norm(params, config.grad_clip, grad_norm)
+        clip_to_norm(params, config.grad_clip, totals.group_grad_norm)  # DiLoCo: each group by its own norm
         verdict = elastic.judge(loss, grad_norm)
         with tracer.span(OPTIMIZER):
             if not verdict.bad:  # the loss guard: a bad step leaves weights and optimizer state untouched
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        sync_metrics = outer.after_step(step + 1) if outer else {}  # DiLoCo's exchanges of this step
+        sync_metrics["dp_sync_bytes"] = inner_bytes + sync_metrics.get("outer_sync_bytes", 0.0)
 
         moe_metrics = moe_step_metrics(parts, plan, device, not verdict.bad) if plan.model.is_moe else {}
+        moe_metrics = {**moe_metrics, **sync_metrics}
         gather = gathers_metrics(step + 1, first_step + 1, config.steps, config.metrics_every, verdict.bad,
                                  totals.metrics_requested)
         if config.compile:
@@ -250,6 +268,8 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
                 progress.update(record)
         step = elastic.end_step(record, verdict, position)  # after a rollback: the checkpoint's step
         history = [r for r in history if r["step"] <= step]
+    if outer:
+        outer.flush()  # exchanges still in flight after the last step
     elastic.close()
     if progress is not None:
         progress.close()
