@@ -173,6 +173,28 @@ def test_two_groups_every_step_is_local_sgd(runs):
 
 
 @pytest.mark.slow
+def test_inner_layouts_reduce_inside_their_group(tmp_path):
+    """dp 4 as 2 groups of 2 FSDP replicas, and dp 2 x tp 2 as 2 groups: still LocalSGD of the two halves."""
+    from fivefold.runtime import launch
+
+    plans = {"fsdp": make_plan(4, dp=4, zero=3, micro_batch=1), "tp": make_plan(4, dp=2, tp=2, micro_batch=4)}
+    launch([RunConfig(plan.to_toml(), steps=STEPS, seed=0, device="cpu", show_progress=False,
+                      metrics_file=str(tmp_path / f"{name}.jsonl"), dp_sync="diloco", sync_every=1, outer_lr=1.0,
+                      outer_momentum=0.0) for name, plan in plans.items()], 4)
+    config = RunConfig("")
+    reference = local_sgd_reference(config.lr, config.grad_clip, config.warmup_steps)
+    for name in plans:
+        records = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        assert [r["loss"] for r in records] == pytest.approx(reference, rel=RTOL), name
+        assert all(r["outer_weights_spread"] == 0.0 for r in records)
+        if name == "fsdp":
+            replica = 4 * PRESETS["tiny"].num_params()  # fp32 bytes
+            inner = 3 * 2 * replica * (2 - 1) / 2  # 3 ring passes per micro-batch (2 of them) over 2 ranks
+            outer = replica / 2  # an all-reduce of this rank's half over the 2 groups
+            assert records[0]["dp_sync_bytes"] == pytest.approx(inner + outer, rel=1e-6)
+
+
+@pytest.mark.slow
 def test_fragments_sync_on_their_schedule(runs):
     records = runs["streaming"]
     assert [r.get("outer_sent", []) for r in records] == [[], [0], [], [1], [], [0]]
