@@ -15,8 +15,9 @@ from fivefold.cliparse import OneLineParser, print_json_error, wants_json
 from fivefold.errors import FivefoldError, SpecError
 from fivefold.interrupt import Interrupted, sigterm_raises
 from fivefold.outputs import check_output_dir, check_output_file, make_dir, make_parents
-from fivefold.flags import (REPLAN_KEEPS, add_json_flag, add_layout_flags, add_run_flags, add_spec_flags,
-                            add_stack_flag, layout_from_args, plan_from_args, specs_from_args)
+from fivefold.flags import (REPLAN_KEEPS, add_diloco_flags, add_json_flag, add_layout_flags, add_run_flags,
+                            add_spec_flags, add_stack_flag, diloco_of_args, layout_from_args, plan_from_args,
+                            specs_from_args)
 
 EXIT_BAD_INPUT = 2
 EXIT_NOT_BUILT = 3
@@ -85,14 +86,19 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from fivefold.cost import estimate, stack_named
 
     plan = plan_from_args(args)
+    diloco = diloco_of_args(args, plan)  # --dp-sync diloco: checked before anything is costed
     result = estimate(plan, stack_named(args.stack))
+    if diloco is not None:
+        from fivefold.cost.diloco import diloco_cost
+
+        diloco = diloco_cost(plan, diloco, result, stack_named(args.stack))
     if args.json:
-        print_json(result.to_dict())
+        print_json({**result.to_dict(), **({"diloco": diloco.to_dict()} if diloco else {})})
         return 0
-    from fivefold.planner.render import estimate_renderables, estimate_title
+    from fivefold.planner.render import diloco_lines, estimate_renderables, estimate_title
 
     out = console()
-    for renderable in estimate_renderables(result, estimate_title(plan)):
+    for renderable in estimate_renderables(result, estimate_title(plan)) + (diloco_lines(diloco) if diloco else []):
         out.print(renderable)
     return 0
 
@@ -273,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_layout_flags(p)
     add_stack_flag(p)
     add_json_flag(p)
+    add_diloco_flags(p)
 
     p = verb("simulate", "replay one step of a plan rank by rank; write a trace and a timeline picture",
              cmd_simulate)

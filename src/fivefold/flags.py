@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fivefold.spec import ClusterSpec, ModelSpec, Plan, TrainSpec
+    from fivefold.spec.diloco import DiLoCoSpec
 
 
 def add_spec_flags(parser: argparse.ArgumentParser) -> None:
@@ -178,6 +179,15 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (CPU: inductor "
                    "needs a C compiler; the first steps pay the compile time)")
     add_diloco_flags(p)
+
+
+def diloco_of_args(args: argparse.Namespace, plan: Plan) -> DiLoCoSpec | None:
+    """The DiLoCo flags of `estimate` checked as `train` checks them; None with --dp-sync sync."""
+    from fivefold.spec.diloco import DILOCO_FLAGS, check_diloco_flags, spec_from_flags
+
+    flags = {name: getattr(args, name) for name in DILOCO_FLAGS}
+    check_diloco_flags(flags)
+    return spec_from_flags(flags, plan)
 
 
 def add_diloco_flags(p: argparse.ArgumentParser) -> None:

@@ -4,6 +4,7 @@ NoFeasiblePlan when nothing fits. Apart from search.py so explain.py and render.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from fivefold.cost.results import Estimate
 from fivefold.errors import FivefoldError
@@ -32,6 +33,7 @@ class SearchResult:
     explanation: str = ""  # why the best beats the runner-up
     notes: list[str] = field(default_factory=list)
     placement: list[str] = field(default_factory=list)  # mixed clusters: which group holds what, and why
+    diloco: Any = None  # planner/diloco.py DiLoCoChoice: DiLoCo across a cluster's groups, when considered
 
     @property
     def candidates_per_s(self) -> float:

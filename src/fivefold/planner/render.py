@@ -118,6 +118,8 @@ def plan_renderables(result: SearchResult, title: str) -> list:
         out.append(f"re-ranked the best {len(simulated)} by simulated step time: " + ", ".join(simulated))
     out.append(f"why #1: {result.explanation}")
     out.extend(f"#1 {line}" for line in result.placement)  # mixed clusters: which group holds what, and why
+    if result.diloco is not None:
+        out.append(result.diloco.line())
     out.append(f"searched {result.examined:,} candidate plans ({result.costed:,} costed in full) in "
                f"{result.seconds:.2f} s: {result.candidates_per_s:,.0f} candidates/s")
     return out
@@ -131,6 +133,31 @@ def plan_title(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, count: 
 def estimate_title(plan: Plan) -> str:
     return (f"{plan.model.name} on {plan.cluster.label}, seq {plan.train.seq_len}, global batch "
             f"{plan.train.global_batch}, {plan.train.dtype}: {plan.describe()}")
+
+
+def diloco_lines(cost) -> list[str]:
+    """`estimate --dp-sync diloco`: the outer exchange's bytes and exposure, the memory and the penalty."""
+    spec = cost.spec
+    return [f"DiLoCo, {spec.groups} outer groups, H={spec.sync_every}, {spec.fragments} fragment(s), overlap "
+            f"{spec.overlap}, outer gradients in {spec.outer_dtype}:",
+            f"  outer exchange: {cost.outer_bytes_per_rank / 1e6:,.1f} MB sent per rank per sync "
+            f"({cost.outer_bytes_per_rank / spec.sync_every / 1e6:,.2f} MB per step; synchronous DP sends "
+            f"{cost.sync_bytes_per_step / 1e6:,.1f} MB per step), {_time(cost.outer_exchange_s)} per full exchange",
+            f"  step: {_time(cost.inner_step_s)} inner + {_time(cost.exposed_per_step_s)} exposed outer exchange = "
+            f"{_time(cost.step_time_s)} (synchronous: {_time(cost.sync_step_time_s)})",
+            f"  memory: +{cost.memory_bytes / GIB:.2f} GiB per GPU of outer weights and momentum "
+            f"({'fits' if cost.fits else 'does NOT fit'})",
+            f"  convergence penalty: loss {cost.loss_gap:+.2%} at equal tokens (Charles et al. 2025), "
+            f"{(cost.token_factor - 1):+.1%} tokens to the same loss",
+            f"  time to the same loss: {cost.time_to_loss_ratio:.2f}x synchronous DP's"]
+
+
+def diloco_json(choice) -> dict | None:
+    """`plan --json`'s "diloco": the DiLoCo setting the search weighed (planner/diloco.py), or null."""
+    if choice is None:
+        return None
+    return {"recommended": choice.recommended, "flags": choice.flags(), "plan": choice.plan.describe(),
+            **choice.cost.to_dict()}
 
 
 def plan_json(result: SearchResult, model: str, cluster: str, out: str | None,
@@ -147,5 +174,5 @@ def plan_json(result: SearchResult, model: str, cluster: str, out: str | None,
             entry["dryrun"] = dryruns[id(candidate.plan)]
         ranked.append({"rank": rank, **entry, "layout": candidate.plan.to_dict()["plan"]})
     return {"model": model, "cluster": cluster, "candidates": ranked, "explanation": result.explanation,
-            "placement": result.placement, "examined": result.examined, "costed": result.costed,
+            "placement": result.placement, "diloco": diloco_json(result.diloco), "examined": result.examined, "costed": result.costed,
             "seconds": result.seconds, "candidates_per_s": result.candidates_per_s, "out": out}

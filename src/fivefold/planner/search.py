@@ -153,14 +153,14 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
     ranked = [entry[2] for entry in sorted(best, key=lambda entry: (entry[2].key, -entry[1]))]
     candidates = [Candidate(plan, estimate(plan, stack, headroom)) for plan in
                   (_plan(ctx, found) for found in ranked)]
+    from fivefold.planner.diloco import best_diloco  # DiLoCo across the link between a cluster's groups
     from fivefold.planner.explain import explain_difference, explain_placement
-
-    explanation = explain_difference(candidates[0], candidates[1]) if len(candidates) > 1 else \
-        "only one plan fits"
+    explanation = explain_difference(candidates[0], candidates[1]) if len(candidates) > 1 else "only one plan fits"
     ctx.cp_method = ranked[0].cp_method  # the alternatives keep the winner's method
     placement = explain_placement(candidates[0], *_alternatives(ctx, ranked[0])) if ctx.mixed else []
     return SearchResult(candidates[:top], examined, costed, time.perf_counter() - started, explanation,
-                        placement=placement)
+                        placement=placement, diloco=best_diloco(model, cluster, train, candidates[0].estimate.step_time_s,
+                                                                stack, headroom, choices, search))
 
 
 def _family_bound(ctx: _Context, base: Layout, micro_batches: int) -> tuple[float, list[float]]:

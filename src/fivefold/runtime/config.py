@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from fivefold.errors import SpecError, require
 from fivefold.spec import Plan, plan_from_dict
-from fivefold.spec.diloco import DiLoCoSpec, diloco_spec
+from fivefold.spec.diloco import DILOCO_FLAGS, DiLoCoSpec, check_diloco_flags, spec_from_flags
 
 MAX_LR = 10.0  # a peak learning rate above this diverges on the first step
 MAX_TIMEOUT_S = 7 * 24 * 3600  # torch keeps collective timeouts in milliseconds; a week is already no timeout
@@ -119,35 +119,16 @@ class RunConfig:
         self.validate_diloco()
         self.validate_paths()
 
+    def diloco_flags(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in DILOCO_FLAGS}
+
     def diloco(self, plan: Plan) -> DiLoCoSpec | None:
         """The outer loop of this run of `plan` (None: --dp-sync sync); SpecError when the plan cannot have it."""
-        if self.dp_sync != "diloco":
-            return None
-        return diloco_spec(plan, self.diloco_groups, self.sync_every, self.outer_lr, self.outer_momentum,
-                           self.fragments, self.overlap, self.outer_dtype)
+        return spec_from_flags(self.diloco_flags(), plan)
 
     def validate_diloco(self) -> None:
         """--dp-sync and the DiLoCo flags alone; spec/diloco.py checks them against the plan."""
-        require(self.dp_sync in ("sync", "diloco"), "--dp-sync", self.dp_sync, "must be sync or diloco")
-        if self.dp_sync == "sync":
-            for name in ("sync_every", "outer_lr", "outer_momentum", "fragments", "overlap", "outer_dtype",
-                         "diloco_groups"):
-                require(getattr(self, name) == RunConfig.__dataclass_fields__[name].default,
-                        "--" + name.replace("_", "-"), getattr(self, name), "needs --dp-sync diloco")
-            return
-        require(1 <= self.sync_every <= 10**6, "--sync-every", self.sync_every, "must be 1 to 1000000 steps")
-        require(math.isfinite(self.outer_lr) and 0 < self.outer_lr <= MAX_LR, "--outer-lr", self.outer_lr,
-                f"must be a positive finite number up to {MAX_LR:g}, e.g. 0.7")
-        require(math.isfinite(self.outer_momentum) and 0 <= self.outer_momentum < 1, "--outer-momentum",
-                self.outer_momentum, "must be from 0 to below 1, e.g. 0.9")
-        require(1 <= self.fragments <= self.sync_every, "--fragments", self.fragments,
-                f"must be 1 to --sync-every ({self.sync_every}): each fragment syncs on its own step of H")
-        require(0 <= self.overlap < max(1, self.sync_every // self.fragments), "--overlap", self.overlap,
-                f"must be 0 to {self.sync_every // self.fragments - 1} (below --sync-every / --fragments, so a "
-                "fragment's exchange lands before the next one starts)")
-        require(self.outer_dtype in ("fp32", "bf16"), "--outer-dtype", self.outer_dtype, "must be fp32 or bf16")
-        require(0 <= self.diloco_groups <= 10**6, "--diloco-groups", self.diloco_groups,
-                "must be 0 (the default groups) or a divisor of dp")
+        check_diloco_flags(self.diloco_flags())
 
     def validate_numbers(self) -> None:
         """The optimizer and schedule flags: finite, positive where zero or less cannot train."""

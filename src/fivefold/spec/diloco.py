@@ -15,12 +15,19 @@ later. With one fragment and no overlap it is plain DiLoCo (Douillard et al. 202
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 from fivefold.errors import SpecError, require
 from fivefold.spec.plan import Plan
 
 OUTER_DTYPES = {"fp32": 4, "bf16": 2}  # bytes per element of the exchanged outer gradient
+# The flags of `train` and `estimate` (RunConfig fields of the same names) and their defaults.
+DILOCO_DEFAULTS: dict[str, Any] = {"dp_sync": "sync", "sync_every": 50, "outer_lr": 0.7, "outer_momentum": 0.9,
+                                   "fragments": 1, "overlap": 0, "outer_dtype": "fp32", "diloco_groups": 0}
+DILOCO_FLAGS = tuple(DILOCO_DEFAULTS)
+MAX_OUTER_LR = 10.0
 
 
 @dataclass(frozen=True)
@@ -98,3 +105,36 @@ def diloco_spec(plan: Plan, groups: int, sync_every: int, outer_lr: float, outer
                                                  "sharded over dp ranks that would sit in different outer groups)")
     return DiLoCoSpec(outer_groups(plan, groups), sync_every, outer_lr, outer_momentum, fragments, overlap,
                       outer_dtype)
+
+
+def check_diloco_flags(flags: Mapping[str, Any]) -> None:
+    """--dp-sync and the DiLoCo flags alone (before any plan is known); one SpecError line."""
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+    require(flags["dp_sync"] in ("sync", "diloco"), "--dp-sync", flags["dp_sync"], "must be sync or diloco")
+    if flags["dp_sync"] == "sync":
+        for name, default in DILOCO_DEFAULTS.items():
+            require(flags[name] == default, flag(name), flags[name], "needs --dp-sync diloco")
+        return
+    every, fragments = flags["sync_every"], flags["fragments"]
+    require(1 <= every <= 10**6, "--sync-every", every, "must be 1 to 1000000 steps")
+    require(math.isfinite(flags["outer_lr"]) and 0 < flags["outer_lr"] <= MAX_OUTER_LR, "--outer-lr",
+            flags["outer_lr"], f"must be a positive finite number up to {MAX_OUTER_LR:g}, e.g. 0.7")
+    require(math.isfinite(flags["outer_momentum"]) and 0 <= flags["outer_momentum"] < 1, "--outer-momentum",
+            flags["outer_momentum"], "must be from 0 to below 1, e.g. 0.9")
+    require(1 <= fragments <= every, "--fragments", fragments,
+            f"must be 1 to --sync-every ({every}): each fragment syncs on its own step of H")
+    require(0 <= flags["overlap"] < max(1, every // fragments), "--overlap", flags["overlap"],
+            f"must be 0 to {every // fragments - 1} (below --sync-every / --fragments, so a fragment's exchange "
+            "lands before the next one starts)")
+    require(flags["outer_dtype"] in OUTER_DTYPES, "--outer-dtype", flags["outer_dtype"], "must be fp32 or bf16")
+    require(0 <= flags["diloco_groups"] <= 10**6, "--diloco-groups", flags["diloco_groups"],
+            "must be 0 (the default groups) or a divisor of dp")
+
+
+def spec_from_flags(flags: Mapping[str, Any], plan: Plan) -> DiLoCoSpec | None:
+    """The DiLoCo spec the (checked) flags give for `plan`; None with --dp-sync sync."""
+    if flags["dp_sync"] != "diloco":
+        return None
+    return diloco_spec(plan, flags["diloco_groups"], flags["sync_every"], flags["outer_lr"], flags["outer_momentum"],
+                       flags["fragments"], flags["overlap"], flags["outer_dtype"])
