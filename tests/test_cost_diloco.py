@@ -53,7 +53,7 @@ def test_outer_exchange_costs():
     plan = plan_on(SLOW, dp=8, tp=2, zero=1, micro_batch=2)
     sync = estimate(plan)
     plain = diloco_cost(plan, DiLoCoSpec(2, 50), sync)
-    shard = PRESETS["small"].num_params() / 2  # tp 2; replicated over the inner dp
+    shard = PRESETS["small"].num_params() / 2 / 4  # tp 2; ZeRO-1 over the group's 4 dp ranks
     assert plain.memory_bytes == pytest.approx(8 * shard)
     assert plain.outer_bytes_per_rank == pytest.approx(4 * shard)  # ring all-reduce over 2: the buffer once
     link = topology_of(plan.cluster).group_link([plan.placement[plan.rank_of(dp=0)], plan.placement[plan.rank_of(dp=4)]])

@@ -4,7 +4,8 @@ One outer group is the plan cut down to its own dp replicas on its own devices (
 step is that plan's estimate (its dp traffic stays on the group's fast links). Every H steps each rank
 all-reduces its shard of the outer gradient with its counterparts in the other groups, over the link
 between the groups; Streaming DiLoCo sends 1/P of it at a time and hides each fragment behind `overlap`
-steps of compute. Extra memory: the outer weights and momentum, fp32, of the rank's shard.
+steps of compute. Extra memory: the outer weights and momentum, fp32, of the rank's shard (the whole
+replica's share of tp/pp, divided over the group's dp x cp ranks under ZeRO 1-3, as the runtime keeps it).
 
 Convergence: DiLoCo with M replicas ends at a different loss than data-parallel training on the same tokens.
 LOSS_GAP is the percentage difference in evaluation loss of DiLoCo relative to data-parallel training,
@@ -157,7 +158,8 @@ def diloco_cost(plan: Plan, spec: DiLoCoSpec, sync: Estimate, stack: SoftwareSta
     inner = [estimate(group_plan(plan, spec.groups, g), stack) for g in range(spec.groups)]
     inner_step = max(e.step_time_s for e in inner)
     params = plan.model.num_params()
-    shard = params / (plan.tp * plan.pp * (plan.dp // spec.groups * plan.cp if plan.zero == 3 else 1))
+    # The outer state lives with the optimizer state: sharded over the group's dp x cp ranks under ZeRO.
+    shard = params / (plan.tp * plan.pp * (plan.dp // spec.groups * plan.cp if plan.zero >= 1 else 1))
     outer_bytes = shard * spec.outer_bytes_per_element
     topology = topology_of(plan.cluster)
     block = plan.dp // spec.groups
