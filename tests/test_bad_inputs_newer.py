@@ -108,6 +108,8 @@ MODEL = [
     ("estimate --model preset=tiny,expert_ffn_hidden=64", "model.expert_ffn_hidden=64: means nothing for a dense"),
     ("estimate --model preset=tiny,first_dense_layers=1", "model.first_dense_layers=1: means nothing for a dense"),
     ("estimate --model preset=tiny-moe,aux_loss_coef=1e9", "model.aux_loss_coef=1000000000.0: must be at most"),
+    ("estimate --model tiny --expert-imbalance 2", "--expert-imbalance=2.0: means nothing for a dense model"),
+    ("plan --model tiny --expert-imbalance 1.5", "--expert-imbalance=1.5: means nothing for a dense model"),
 ]
 
 DECIDING_FLAG = [

@@ -97,6 +97,11 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, T
     train = TrainSpec(seq_len=args.seq_len, global_batch=args.global_batch, dtype=args.dtype or default_dtype(cluster),
                       expert_imbalance=getattr(args, "expert_imbalance", 1.0),
                       document_mask=getattr(args, "document_mask", False))
+    if train.expert_imbalance != 1.0 and not model.is_moe:
+        from fivefold.errors import SpecError
+
+        raise SpecError("--expert-imbalance", train.expert_imbalance, f"means nothing for a dense model ({model.name} "
+                        "has no experts); leave it out")
     return model, cluster, train
 
 
