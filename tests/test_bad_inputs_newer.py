@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from pathlib import Path
 
 import pytest
-from test_bad_inputs import nothing_starts, snapshot  # noqa: F401 (a fixture)
+from test_bad_inputs import assert_refused, nothing_starts  # noqa: F401 (a fixture)
 
 from fivefold.cli import main
 
@@ -169,17 +168,7 @@ CASES = NUMBERS + MODEL + DECIDING_FLAG + USER_FILES + FOREIGN + READ_BACK + SIZ
 def test_newer_bad_input_is_one_line_exit_2_and_writes_nothing(bad, tmp_path, monkeypatch, capsys, nothing_starts,
                                                                argv, words):
     monkeypatch.chdir(tmp_path)
-    before = snapshot(bad, tmp_path)
-    started = time.perf_counter()
-    code = main(argv.format(d=bad).split())
-    seconds = time.perf_counter() - started
-    out, err = capsys.readouterr()
-    assert code == 2, err
-    assert err.count("\n") == 1 and err.startswith("error: "), err
-    assert words.format(d=bad) in err
-    assert "Traceback" not in err and out == ""
-    assert snapshot(bad, tmp_path) == before
-    assert seconds < 2  # any refusal at once, for any input size
+    assert_refused(argv, words, bad, tmp_path, capsys, seconds_limit=2)  # any refusal at once, for any input size
 
 
 def test_every_float_and_int_flag_is_bounded_by_the_parser():
