@@ -16,7 +16,7 @@ from fivefold.errors import FivefoldError, SpecError
 from fivefold.interrupt import Interrupted, sigterm_raises
 from fivefold.outputs import check_output_dir, check_output_file, make_dir, make_parents
 from fivefold.flags import (REPLAN_KEEPS, add_json_flag, add_layout_flags, add_run_flags, add_spec_flags,
-                            add_stack_flag, layout_from_args, plan_from_args, specs_from_args)
+                            add_stack_flag, add_workload_flags, layout_from_args, plan_from_args, specs_from_args)
 
 EXIT_BAD_INPUT = 2
 EXIT_NOT_BUILT = 3
@@ -82,6 +82,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
+    if args.serve:
+        from fivefold.serving_cli import cmd_estimate_serve
+
+        return cmd_estimate_serve(args)
     from fivefold.cost import estimate, stack_named
 
     plan = plan_from_args(args)
@@ -271,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb("estimate", "predict step time, throughput, memory and bubble of one plan", cmd_estimate)
     add_spec_flags(p)
     add_layout_flags(p)
+    add_workload_flags(p)
     add_stack_flag(p)
     add_json_flag(p)
 

@@ -1,0 +1,133 @@
+"""`plan/estimate/simulate --serve`: the serving side of those verbs (parsing and printing; the work lives in
+cost/deployment.py, cost/serving_estimate.py, sim/serving.py and planner/serving.py). No torch here."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from fivefold.errors import SpecError
+from fivefold.spec.cluster import ClusterSpec
+from fivefold.spec.model import ModelSpec
+from fivefold.spec.serve import BatchLimits, ServeLayout
+from fivefold.spec.workload import Workload, load_trace, parse_length, parse_rate
+
+
+@dataclass
+class ServeInputs:
+    model: ModelSpec
+    cluster: ClusterSpec
+    workload: Workload
+    dtype: str
+    kv_dtype: str
+    limits: BatchLimits
+    kv_blocks: int | None  # --kv-blocks
+    kv_memory_gib: float | None  # --kv-memory
+
+
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    trace = load_trace(args.trace) if args.trace else ()
+    return Workload(prompt_len=parse_length(args.prompt_len, "--prompt-len"),
+                    output_len=parse_length(args.output_len, "--output-len"), rate=parse_rate(args.rate),
+                    batch=args.batch, ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo, trace=trace,
+                    num_requests=args.requests)
+
+
+def serve_inputs_from_args(args: argparse.Namespace) -> ServeInputs:
+    """Model, cluster, workload and limits from the flags; every check before any work."""
+    from fivefold.flags import default_cluster
+    from fivefold.spec import default_dtype, parse_cluster, parse_model
+
+    model = parse_model(args.model)
+    cluster = parse_cluster(args.cluster or default_cluster(args))
+    workload = workload_from_args(args)
+    dtype = args.dtype or default_dtype(cluster)
+    kv_dtype = args.kv_dtype or ("bf16" if dtype == "fp8" else dtype)
+    if args.kv_blocks is not None and args.kv_memory is not None:
+        raise SpecError("--kv-blocks", args.kv_blocks, "give --kv-blocks or --kv-memory, not both")
+    if args.kv_memory is not None and not (math.isfinite(args.kv_memory) and args.kv_memory > 0):
+        raise SpecError("--kv-memory", args.kv_memory, "must be a positive number of GiB")
+    limits = BatchLimits(max_batch=args.max_batch or 256, max_tokens_per_step=args.max_tokens_per_step or 2048,
+                         kv_blocks=args.kv_blocks or 1024)
+    return ServeInputs(model, cluster, workload, dtype, kv_dtype, limits, args.kv_blocks, args.kv_memory)
+
+
+def layout_from_args(args: argparse.Namespace, inputs: ServeInputs) -> ServeLayout:
+    return ServeLayout(tp=args.tp or 1, pp=args.pp or 1, replicas=args.replicas or 1, ep=args.ep or 1,
+                       dtype=inputs.dtype, kv_dtype=inputs.kv_dtype, limits=inputs.limits)
+
+
+def _time(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "unbounded (saturated)"
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} us"
+
+
+STEP_LABELS = {"gemm_s": "linear layers (GEMMs: weights read / FLOPs)", "attention_s": "attention (KV read, prefill)",
+               "tp_comm_s": "tensor-parallel all-reduces", "other_s": "element-wise + LM head",
+               "pp_send_s": "pipeline transfer", "host_s": "engine host work per step"}
+
+
+def estimate_renderables(layout: ServeLayout, inputs: ServeInputs, estimate: Any) -> list:
+    """Summary and where one step's time goes."""
+    from rich.table import Table
+
+    w = inputs.workload
+    title = (f"{inputs.model.name} served on {inputs.cluster.label}: tp={layout.tp} pp={layout.pp} "
+             f"replicas={layout.replicas}" + (f" ep={layout.ep}" if layout.ep > 1 else "") +
+             f", {layout.dtype} (KV {layout.kv_dtype}); {w.describe()}")
+    summary = Table(title=title, show_header=False, title_justify="left")
+    summary.add_column(style="bold")
+    summary.add_column(justify="right")
+    summary.add_row("TTFT mean / p90", f"{_time(estimate.ttft_s)} / {_time(estimate.ttft_p90_s)}")
+    summary.add_row("TPOT mean / p90", f"{_time(estimate.tpot_s)} / {_time(estimate.tpot_p90_s)}")
+    summary.add_row("output tokens/s", f"{estimate.output_tokens_per_s:,.0f}  ({estimate.requests_per_s:.2f} "
+                    f"requests/s; {estimate.output_tokens_per_s / estimate.devices:,.0f} per device)")
+    first = estimate.replicas[0]
+    summary.add_row("requests running", f"{first.running:.1f} per replica (at most {first.max_running:.0f}: "
+                    "max batch, KV blocks, token budget)")
+    summary.add_row("KV cache", f"{estimate.kv_tokens:,} tokens per replica")
+    summary.add_row("memory per device", f"{estimate.memory_gib:.1f} GiB")
+    summary.add_row("decode turns compute-bound", f"at ~{estimate.crossover_batch:.0f} tokens per step")
+    if w.has_targets:
+        verdict = "[green]meets[/green]" if estimate.meets(w) else "[red]misses[/red]"
+        summary.add_row("latency targets (p90)", f"{verdict} TTFT {_time(w.ttft_slo)}, TPOT {_time(w.tpot_slo)}")
+    step = first.stage
+    breakdown = Table(title=f"where a step's time goes (busiest stage, {first.running / layout.pp:.0f} requests "
+                      "per step)", title_justify="left")
+    breakdown.add_column("part")
+    breakdown.add_column("time", justify="right")
+    breakdown.add_column("share", justify="right")
+    for key, label in STEP_LABELS.items():
+        seconds = getattr(step, key)
+        if seconds > 0:
+            breakdown.add_row(label, _time(seconds), f"{seconds / step.stage_s:.1%}")
+    if layout.pp > 1:
+        breakdown.add_row("step latency through all stages", _time(step.latency_s), "")
+    return [summary, breakdown]
+
+
+def cmd_estimate_serve(args: argparse.Namespace) -> int:
+    from fivefold.cli import console, print_json
+    from fivefold.cost.deployment import place
+    from fivefold.cost.serving_estimate import estimate_serving
+
+    inputs = serve_inputs_from_args(args)
+    layout = layout_from_args(args, inputs)
+    replicas = place(inputs.model, inputs.cluster, layout, inputs.kv_blocks, inputs.kv_memory_gib)
+    estimate = estimate_serving(replicas, inputs.limits, inputs.workload, layout.pp)
+    if args.json:
+        print_json({"model": inputs.model.name, "cluster": inputs.cluster.label,
+                    "layout": {"tp": layout.tp, "pp": layout.pp, "replicas": layout.replicas, "ep": layout.ep,
+                               "dtype": layout.dtype, "kv_dtype": layout.kv_dtype},
+                    "workload": inputs.workload.to_dict(), **estimate.to_dict(),
+                    "meets_targets": estimate.meets(inputs.workload) if inputs.workload.has_targets else None})
+        return 0
+    out = console()
+    for renderable in estimate_renderables(layout, inputs, estimate):
+        out.print(renderable)
+    return 0
