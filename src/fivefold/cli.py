@@ -85,7 +85,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.serve:
         from fivefold.serving_cli import cmd_estimate_serve
 
-        return cmd_estimate_serve(args)
+        return cmd_estimate_serve(args, console, print_json)
     from fivefold.cost import estimate, stack_named
 
     plan = plan_from_args(args)
@@ -102,6 +102,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.serve:
+        from fivefold.serving_cli import cmd_simulate_serve
+
+        return cmd_simulate_serve(args, console, print_json)
     from fivefold.cost import estimate as estimate_plan
     from fivefold.cost import stack_named
     from fivefold.sim import parse_stage_times, simulate_plan
@@ -283,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
              cmd_simulate)
     add_spec_flags(p)
     add_layout_flags(p)
+    add_workload_flags(p)
     p.add_argument("--out-dir", default="out/simulate", help="where to write trace.json and timeline.png")
     p.add_argument("--stage-time", action="append", default=[], metavar="STAGE=SCALE",
                    help="what-if: scale the compute time of one stage (repeatable), e.g. 0=1.5")

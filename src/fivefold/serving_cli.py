@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from fivefold.errors import SpecError
 from fivefold.spec.cluster import ClusterSpec
@@ -111,8 +111,8 @@ def estimate_renderables(layout: ServeLayout, inputs: ServeInputs, estimate: Any
     return [summary, breakdown]
 
 
-def cmd_estimate_serve(args: argparse.Namespace) -> int:
-    from fivefold.cli import console, print_json
+def cmd_estimate_serve(args: argparse.Namespace, console: Callable[[], Any], print_json: Callable[[Any], None]) -> int:
+    """`estimate --serve`; `console` and `print_json` are the CLI's (cli.py imports this module)."""
     from fivefold.cost.deployment import place
     from fivefold.cost.serving_estimate import estimate_serving
 
@@ -130,4 +130,47 @@ def cmd_estimate_serve(args: argparse.Namespace) -> int:
     out = console()
     for renderable in estimate_renderables(layout, inputs, estimate):
         out.print(renderable)
+    return 0
+
+
+def cmd_simulate_serve(args: argparse.Namespace, console: Callable[[], Any], print_json: Callable[[Any], None]) -> int:
+    """Replay the stream through the scheduler; per-request percentiles beside the estimate; PNG and trace."""
+    from fivefold.cost.deployment import place
+    from fivefold.cost.serving_estimate import estimate_serving
+    from fivefold.outputs import check_output_dir, make_dir
+    from fivefold.sim.serving import simulate_serving
+    from fivefold.sim.serving_outputs import write_serving_png, write_serving_trace
+
+    inputs = serve_inputs_from_args(args)
+    layout = layout_from_args(args, inputs)
+    check_output_dir(args.out_dir, "--out-dir")
+    replicas = place(inputs.model, inputs.cluster, layout, inputs.kv_blocks, inputs.kv_memory_gib)
+    estimate = estimate_serving(replicas, inputs.limits, inputs.workload, layout.pp)
+    result = simulate_serving(replicas, inputs.limits, inputs.workload, layout.pp)
+    result.title = (f"{inputs.model.name} on {inputs.cluster.label}: tp={layout.tp} pp={layout.pp} "
+                    f"replicas={layout.replicas}; {inputs.workload.describe()}")
+    out_dir = make_dir(args.out_dir, "--out-dir")
+    trace_path = write_serving_trace(result, out_dir / "serve_trace.json")
+    png_path = write_serving_png(result, out_dir / "serve_timeline.png")
+    summary = result.to_dict()
+    if args.json:
+        print_json({**summary, "estimate": estimate.to_dict(), "trace": str(trace_path), "timeline": str(png_path)})
+        return 0
+    from rich.table import Table
+
+    table = Table(title=result.title, title_justify="left")
+    for column in ("", "mean", "p50", "p90", "p99", "estimate mean / p90"):
+        table.add_column(column, justify="right" if column else "left")
+    for name, label, est in (("ttft_s", "TTFT", (estimate.ttft_s, estimate.ttft_p90_s)),
+                             ("tpot_s", "TPOT", (estimate.tpot_s, estimate.tpot_p90_s)),
+                             ("latency_s", "request latency", None)):
+        values = summary[name]
+        table.add_row(label, *(_time(values[k]) for k in ("mean", "p50", "p90", "p99")),
+                      f"{_time(est[0])} / {_time(est[1])}" if est else "")
+    out = console()
+    out.print(table)
+    out.print(f"{summary['output_tokens_per_s']:,.0f} output tokens/s ({summary['requests_per_s']:.2f} requests/s; "
+              f"estimate {estimate.output_tokens_per_s:,.0f}) over {summary['duration_s']:.1f} s simulated, "
+              f"{summary['steps']:,} steps, {summary['preemptions']} preemptions")
+    out.print(f"trace: {trace_path}  (open in https://ui.perfetto.dev)\npicture: {png_path}", soft_wrap=True)
     return 0
