@@ -129,10 +129,11 @@ def trtllm_rows(reference: Path) -> list[Row]:
             except Exception as exc:  # a row the model cannot place (too big): say so, do not hide it
                 print(f"skipped {row['model']} {gpu} tp{tp}: {exc}")
                 continue
-            # A benchmark of n requests divides their output by the time from the first arrival to the last
-            # answer: n / rate of arrivals plus the last request's own latency (TTFT + the rest of its tokens).
-            run_s = (n / rate if math.isfinite(rate) else 0.0) + est.ttft_s + (osl - 1) * est.tpot_s
-            throughput = n * osl / run_s if online else est.output_tokens_per_s
+            # A benchmark of n requests at a finite rate divides their output by the time from the first arrival
+            # to the last answer: n / rate plus the last request's own latency (TTFT + the rest of its tokens).
+            throughput = est.output_tokens_per_s
+            if online and math.isfinite(rate):
+                throughput = n * osl / (n / rate + est.ttft_s + (osl - 1) * est.tpot_s)
             predicted = {"ttft_ms_mean": est.ttft_s * 1e3, "itl_ms_mean": est.tpot_s * 1e3,
                          "output_tokens_per_s_total": throughput}[row["metric"]]
             label = f"{row['model']} {gpu} tp{tp} {row['precision']} {isl}/{osl} v{version}" + (

@@ -44,6 +44,10 @@ def console():
 # --- verbs -------------------------------------------------------------------------------------
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.serve:
+        from fivefold.serving_cli import cmd_plan_serve
+
+        return cmd_plan_serve(args, console, print_json)
     from fivefold.cost import stack_named
     from fivefold.planner import Choices, search
     from fivefold.planner.render import plan_json, plan_renderables, plan_title
@@ -267,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb("plan", "search every dp x tp x pp x cp split and rank the layouts by predicted speed", cmd_plan)
     add_spec_flags(p)
     add_layout_flags(p, for_search=True)
+    add_workload_flags(p, for_search=True)
     p.add_argument("--top", type=int, default=5, help="how many plans to show (default: 5)")
     p.add_argument("--headroom", type=float, default=0.1,
                    help="fraction of device memory kept free (default: 0.1)")

@@ -174,3 +174,78 @@ def cmd_simulate_serve(args: argparse.Namespace, console: Callable[[], Any], pri
               f"{summary['steps']:,} steps, {summary['preemptions']} preemptions")
     out.print(f"trace: {trace_path}  (open in https://ui.perfetto.dev)\npicture: {png_path}", soft_wrap=True)
     return 0
+
+
+def explain_winner(candidates: list, workload: Workload) -> list[str]:
+    """Why the first candidate wins, or why nothing meets the targets."""
+    best = candidates[0]
+    lay, est = best.layout, best.estimate
+    step = est.replicas[0].stage
+    heaviest = max(STEP_LABELS, key=lambda key: getattr(step, key))
+    lines = []
+    if workload.has_targets and not best.meets:
+        lines.append("[red]No layout meets the targets.[/red] Closest splits:")
+        seen = set()
+        for c in candidates:
+            key = (c.layout.tp, c.layout.pp)
+            if key not in seen and len(seen) < 3:
+                seen.add(key)
+                lines.append(f"  tp={c.layout.tp} pp={c.layout.pp}: {c.reason}")
+        lines.append("Loosen a target, lower the rate, add devices, or use --dtype fp8 (H100 and newer).")
+        return lines
+    share = getattr(step, heaviest) / step.stage_s
+    devices = f"{lay.tp * lay.pp} device(s) per replica, {lay.replicas} replica(s)"
+    if workload.has_targets:
+        lines.append(f"Best: tp={lay.tp} pp={lay.pp} x {lay.replicas} ({devices}): both p90 targets hold up to "
+                     f"{best.goodput_rps:.2f} requests/s, {best.score:.3f} requests/s per device; "
+                     f"TTFT p90 {_time(est.ttft_p90_s)}, TPOT p90 {_time(est.tpot_p90_s)} at the offered load.")
+    else:
+        lines.append(f"Best: tp={lay.tp} pp={lay.pp} x {lay.replicas} ({devices}): {best.score:,.0f} output "
+                     "tokens/s per device at saturation.")
+    lines.append(f"A step of {est.replicas[0].running / lay.pp:.3g} requests spends {share:.0%} on "
+                 f"{STEP_LABELS[heaviest]}; decode turns compute-bound at ~{est.crossover_batch:.0f} tokens per "
+                 f"step; the KV cache holds {est.kv_tokens:,} tokens per replica.")
+    rival = next((c for c in candidates[1:] if (c.layout.tp, c.layout.pp) != (lay.tp, lay.pp)), None)
+    if rival is not None:
+        lines.append(f"Next split, tp={rival.layout.tp} pp={rival.layout.pp}: " + (
+            f"score {rival.score:.3g} ({rival.reason})" if rival.reason else f"score {rival.score:.3g}") + ".")
+    return lines
+
+
+def cmd_plan_serve(args: argparse.Namespace, console: Callable[[], Any], print_json: Callable[[Any], None]) -> int:
+    """`plan --serve`: search the splits and limits, rank, explain."""
+    from fivefold.planner.serving import search_serving
+
+    inputs = serve_inputs_from_args(args)
+    fixed = {"tp": args.tp, "pp": args.pp, "ep": args.ep, "replicas": args.replicas, "max_batch": args.max_batch,
+             "max_tokens_per_step": args.max_tokens_per_step}
+    for flag, value in fixed.items():
+        if value is not None and value < 1:
+            raise SpecError(f"--{flag.replace('_', '-')}", value, "must be at least 1")
+    candidates = search_serving(inputs.model, inputs.cluster, inputs.workload, inputs.dtype, inputs.kv_dtype, fixed,
+                                inputs.kv_blocks, inputs.kv_memory_gib)
+    explanation = explain_winner(candidates, inputs.workload)
+    if args.json:
+        print_json({"model": inputs.model.name, "cluster": inputs.cluster.label,
+                    "workload": inputs.workload.to_dict(), "explanation": explanation,
+                    "candidates": [c.to_dict() for c in candidates[:max(args.top, 1) * 4]]})
+        return 0
+    from rich.table import Table
+
+    table = Table(title=f"{inputs.model.name} on {inputs.cluster.label}: {inputs.workload.describe()} "
+                  f"({len(candidates)} layouts)", title_justify="left")
+    for column in ("tp", "pp", "replicas", "max batch", "chunk", "TTFT p90", "TPOT p90", "req/s",
+                   "score", "meets"):
+        table.add_column(column, justify="right")
+    for c in candidates[:args.top]:
+        lay, est = c.layout, c.estimate
+        table.add_row(str(lay.tp), str(lay.pp), str(lay.replicas), str(lay.limits.max_batch),
+                      str(lay.limits.max_tokens_per_step), _time(est.ttft_p90_s), _time(est.tpot_p90_s),
+                      f"{est.requests_per_s:.2f}", f"{c.score:.3g}", "yes" if c.meets else "no")
+    out = console()
+    out.print(table)
+    out.print("score: " + ("goodput, requests/s per device meeting both p90 targets" if inputs.workload.has_targets
+                           else "output tokens/s per device at saturation"))
+    for line in explanation:
+        out.print(line, soft_wrap=True)
+    return 0

@@ -40,7 +40,8 @@ class Replica:
 
 
 def _slowest(cluster: ClusterSpec, devices: list[int]):
-    specs = [cluster.group_of(d).device for d in devices]
+    group_of = topology_of(cluster).group_of
+    specs = [cluster.groups[group_of[d]].device for d in devices]
     return min(specs, key=lambda s: (s.memory_bandwidth, s.peak_flops.get("bf16", 0.0), s.memory_bytes))
 
 
@@ -66,6 +67,7 @@ def place(model: ModelSpec, cluster: ClusterSpec, layout: ServeLayout, kv_blocks
         raise SpecError("--replicas", layout.replicas, f"tp x pp x replicas = {layout.devices} devices; the cluster "
                         f"has {world}")
     replicas = []
+    costs: dict[tuple, ReplicaCost] = {}
     width = layout.tp * layout.pp
     for r in range(layout.replicas):
         base = r * width
@@ -74,8 +76,11 @@ def place(model: ModelSpec, cluster: ClusterSpec, layout: ServeLayout, kv_blocks
         if layout.dtype == "fp8" and "fp8" not in spec.peak_flops:
             raise SpecError("--dtype", "fp8", f"{spec.name} has no FP8 tensor cores; serve in bf16")
         tp_link, pp_link = _links(cluster, stages)
-        cost = ReplicaCost(model, spec, layout.tp, layout.pp, layout.dtype, layout.kv_dtype, layout.ep,
-                           tp_link, pp_link)
+        key = (id(spec), tp_link, pp_link)
+        cost = costs.get(key)
+        if cost is None:  # replicas on the same kind of devices and links share one model (and its caches)
+            cost = costs[key] = ReplicaCost(model, spec, layout.tp, layout.pp, layout.dtype, layout.kv_dtype,
+                                            layout.ep, tp_link, pp_link)
         per_token = kv_bytes_per_token(model, layout.tp, layout.pp, layout.kv_dtype)
         block_bytes = per_token * layout.limits.block_size
         if kv_blocks is not None:

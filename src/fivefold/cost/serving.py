@@ -125,6 +125,8 @@ class ReplicaCost:
     host_s: float = STEP_HOST_S
     host_per_request_s: float = HOST_PER_REQUEST_S
     _linear_cache: dict[int, tuple[float, float, float]] = field(default_factory=dict, repr=False)
+    _attention_cache: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
+    _head_cache: dict[int, float] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.device = Device(self.device_spec, self.dtype)
@@ -183,9 +185,13 @@ class ReplicaCost:
         """LM head over the rows that sample a token (last stage; counted on the busiest stage's time)."""
         if samples <= 0:
             return 0.0
-        m = self.model
-        # Vocab-parallel logits: gathering samples x vocab / tp floats is small next to the GEMM; not counted.
-        return gemm_time(self.device, samples, m.vocab // self.tp, m.hidden)
+        cached = self._head_cache.get(samples)
+        if cached is None:
+            # Vocab-parallel logits: gathering samples x vocab / tp floats is small next to the GEMM; not counted.
+            cached = skinny_gemm_time(self.device, samples, self.model.vocab // self.tp, self.model.hidden)
+            if len(self._head_cache) < 65536:
+                self._head_cache[samples] = cached
+        return cached
 
     def decode_attention_s(self, kv_tokens: int, requests: int) -> float:
         """Decoding requests read their KV cache (all `kv_tokens` of them) once per layer of the stage."""
@@ -196,11 +202,17 @@ class ReplicaCost:
 
     def prefill_attention_s(self, chunks: list[tuple[int, int]]) -> float:
         """FlashAttention forward of prefill chunks, each (start, length): queries attend to start + length keys."""
-        m, seconds = self.model, 0.0
+        m, seconds, cache = self.model, 0.0, self._attention_cache
         heads = self.q_local // m.head_dim
-        for start, length in chunks:
-            seconds += flash_attention_time(self.device, heads, length, start + length, m.head_dim, causal=True,
-                                            backward=False)
+        for chunk in chunks:
+            one = cache.get(chunk)
+            if one is None:
+                start, length = chunk
+                one = flash_attention_time(self.device, heads, length, start + length, m.head_dim, causal=True,
+                                           backward=False)
+                if len(cache) < 65536:
+                    cache[chunk] = one
+            seconds += one
         return self.layers * seconds
 
     def step(self, tokens: int, decode_requests: int, decode_kv_tokens: int,

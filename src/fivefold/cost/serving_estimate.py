@@ -149,10 +149,14 @@ def replica_state(replica: Replica, limits: BatchLimits, workload: Workload, run
         wait = math.inf if saturated else rho / (2 * (1 - rho)) * step.stage_s + step.stage_s / 2
         wait_p90 = wait * math.log(10)
     elif rate is not None:  # inf: all queued at once; admitted in waves of n as earlier ones finish
+        # Request i waits for (i // n) waves before it, then for the prefill of the (i % n) admitted with it,
+        # which share the token budget of each step.
         wave = service + output * step.latency_s
-        count = max(1, round(drain_requests))
-        wait = sum(i // max(1, int(n)) for i in range(count)) / count * wave
-        wait_p90 = (int(0.9 * count) // max(1, int(n))) * wave
+        count, width = max(1, round(drain_requests)), max(1, int(n))
+        admit = prompt / (budget * pp) * step.stage_s
+        wait = sum((i // width) * wave + (i % width) * admit for i in range(count)) / count
+        at90 = int(0.9 * count)
+        wait_p90 = (at90 // width) * wave + (at90 % width) * admit
     else:
         wait = wait_p90 = step.stage_s / 2
     p90_running = min(top, n + Z90 * math.sqrt(n)) if rate is not None and math.isfinite(rate) else n
@@ -166,20 +170,27 @@ def estimate_serving(replicas: list[Replica], limits: BatchLimits, workload: Wor
     """The deployment's steady state (module docstring); `replicas` from cost/deployment.place. `frontend_s`: a
     serving frontend's own latency before the first token (HTTP, tokenizer), added to TTFT."""
     prompt, output = workload.mean_prompt, workload.mean_output
-    capacities = []
+    capacities, known = [], {}
     for replica in replicas:
-        top = _max_running(replica, limits, prompt, output, pp)
-        capacities.append((top / pp) / _step(replica, top / pp, prompt, output, limits.max_tokens_per_step).stage_s)
+        key = (id(replica.cost), replica.kv_blocks)
+        if key not in known:
+            top = _max_running(replica, limits, prompt, output, pp)
+            known[key] = (top / pp) / _step(replica, top / pp, prompt, output, limits.max_tokens_per_step).stage_s
+        capacities.append(known[key])
     total = sum(capacities)
     rate = workload.offered_rate
     states = []
+    seen: dict[tuple[int, int], ReplicaState] = {}  # identical replicas (same cost model and cache) once
     for replica, capacity in zip(replicas, capacities):
         share = capacity / total
-        running = workload.batch * share if workload.batch is not None else None
-        replica_rate = rate * share if rate is not None else None
-        state = replica_state(replica, limits, workload, running, replica_rate, pp, workload.num_requests * share)
-        state.share = share
-        states.append(state)
+        key = (id(replica.cost), replica.kv_blocks)
+        if key not in seen:
+            running = workload.batch * share if workload.batch is not None else None
+            replica_rate = rate * share if rate is not None else None
+            seen[key] = replica_state(replica, limits, workload, running, replica_rate, pp,
+                                      workload.num_requests * share)
+            seen[key].share = share
+        states.append(seen[key])
     tokens = sum(s.output_tokens_per_s for s in states)
 
     def weighted(values: list[float]) -> float:

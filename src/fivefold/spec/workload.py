@@ -149,7 +149,8 @@ class Workload:
                    else f"prompt {self.prompt_len} / output {self.output_len} tokens")
         arrivals = (f"{self.rate:g} req/s" if self.rate is not None and math.isfinite(self.rate)
                     else "all at once" if self.rate is not None
-                    else f"{self.batch} in flight" if self.batch is not None else "the trace's arrivals")
+                    else f"{self.batch} in flight" if self.batch is not None
+                    else "the trace's arrivals" if self.trace else "as fast as the deployment serves")
         targets = ", ".join(f"{name} p90 <= {value * 1e3:g} ms" for name, value in
                             (("TTFT", self.ttft_slo), ("TPOT", self.tpot_slo)) if value is not None)
         return f"{lengths}, {arrivals}" + (f"; {targets}" if targets else "")
