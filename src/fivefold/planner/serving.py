@@ -6,7 +6,7 @@ slower one's pace), and the steady state is estimated (cost/serving_estimate.py)
 - with latency targets: goodput per device — the highest request rate at which both p90 targets hold
   (DistServe's goodput, Zhong et al. 2024), found by bisection on the rate, over the devices used. With --rate
   as well, a split needs enough replicas to carry that rate at goodput; it uses no more replicas than that.
-- without targets: output tokens/s per device at saturation (--rate inf).
+- without targets: output tokens/s per device at saturation (--rate inf), or with --batch B at B in flight.
 The scheduler's limits (--max-batch and --max-tokens-per-step, the prefill chunk) are searched for the best
 splits only: first every split with the defaults, then LIMIT_CHOICES for the REFINE_TOP best. The KV budget is
 what memory leaves (or --kv-memory / --kv-blocks). Each choice given on the command line fixes it.
@@ -131,7 +131,8 @@ def _candidate(model: ModelSpec, cluster: ClusterSpec, layout: ServeLayout, work
         estimate = estimate_serving(replicas, limits, workload, pp) if (
             workload.rate is not None or workload.batch is not None or workload.trace) else saturated
         meets = not estimate.saturated
-        return ServeCandidate(layout, estimate, saturated.output_tokens_per_s / layout.devices, meets,
+        basis = estimate if workload.batch is not None else saturated  # a closed loop: at its own batch
+        return ServeCandidate(layout, estimate, basis.output_tokens_per_s / layout.devices, meets,
                               "" if meets else f"saturated: at most {capacity_rps:.2f} requests/s",
                               capacity_rps)
     goodput = _max_meeting_rate(replicas, limits, workload, pp, capacity_rps)
