@@ -1,5 +1,7 @@
 """Speed of `simulate --serve`: 10,000 requests through the scheduler with predicted step times (target <= 5 s).
 
+Prints wall and CPU seconds: on the shared 2-core machine the wall time grows with the other jobs' load.
+
 Usage: python bench/serve_sim_speed.py [--requests N]
 """
 
@@ -32,11 +34,11 @@ def main() -> None:
         model = PRESETS["llama3-70b" if "70b" in label else "llama3-8b"]
         workload = Workload(workload.prompt_len, workload.output_len, rate=workload.rate, num_requests=args.requests)
         replicas = place(model, parse_cluster(cluster), layout)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         result = simulate_serving(replicas, BatchLimits(), workload, layout.pp)
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         summary = result.to_dict()
-        print(f"{label}: {args.requests} requests, {summary['steps']} steps in {seconds:.2f} s "
+        print(f"{label}: {args.requests} requests, {summary['steps']} steps in {seconds:.2f} s wall, {cpu:.2f} s CPU "
               f"(TTFT p90 {summary['ttft_s']['p90'] * 1e3:.0f} ms, TPOT p90 {summary['tpot_s']['p90'] * 1e3:.1f} ms, "
               f"{summary['output_tokens_per_s']:.0f} tok/s, {summary['preemptions']} preemptions)")
 

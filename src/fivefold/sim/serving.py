@@ -115,7 +115,7 @@ def simulate_serving(replicas: list[Replica], limits: BatchLimits, workload: Wor
                      record_steps: bool = True) -> ServingSimResult:
     """Replay `workload.num_requests` requests (module docstring)."""
     stream = workload.requests(workload.num_requests, seed)
-    schedulers = [Scheduler(limits_with_blocks(limits, r.kv_blocks)) for r in replicas]
+    schedulers = [Scheduler(limits_with_blocks(limits, r.kv_blocks), pipeline_depth=pp) for r in replicas]
     records = [RequestRecord(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in stream]
     for index, record in enumerate(records):  # refuse what can never fit before replaying anything
         if record.prompt_tokens + record.output_tokens > min(s.limits.kv_tokens for s in schedulers):
