@@ -83,14 +83,37 @@ class ServingEstimate:
                 "step": first.stage.to_dict()}
 
 
-def _step(replica: Replica, per_step: float, prompt: float, output: float, budget: int) -> StepCost:
-    """A typical step of one in-flight batch of `per_step` decoding requests and their share of prefill."""
+def _decode_step(replica: Replica, per_step: float, prompt: float, output: float) -> StepCost:
+    """A step of one in-flight batch of `per_step` decoding requests (mean context: prompt + half the output)."""
     decodes = max(1, round(per_step))
-    prefill = min(max(0.0, budget - decodes), per_step * prompt / output)
-    chunk = max(0, round(prefill))
-    context = prompt + output / 2
-    chunks = [(max(0, round((prompt - chunk) / 2)), chunk)] if chunk else []
-    return replica.cost.step(decodes + chunk, decodes, round(decodes * context), chunks, samples=decodes)
+    return replica.cost.step(decodes, decodes, round(decodes * (prompt + output / 2)), samples=decodes)
+
+
+def _prefill(replica: Replica, per_step: float, prompt: float, output: float, budget: int) -> tuple[float, float]:
+    """(busy seconds a prompt's chunks add to each stage beside the decodes, its TTFT service: the chunks' step
+    latencies one after another)."""
+    decodes = max(1, round(per_step))
+    kv = round(decodes * (prompt + output / 2))
+    base = _decode_step(replica, per_step, prompt, output).stage_s
+    room, total, start, extra, service = max(1, budget - decodes), max(1, round(prompt)), 0, 0.0, 0.0
+    while start < total:
+        chunk = min(room, total - start)
+        step = replica.cost.step(decodes + chunk, decodes, kv, [(start, chunk)], samples=decodes + 1)
+        extra += step.stage_s - base
+        service += step.latency_s
+        start += chunk
+    return extra, service
+
+
+def _tpot(replica: Replica, n: float, prompt: float, output: float, budget: int, pp: int) -> tuple[float, StepCost]:
+    """Mean time per output token with n requests running: the decode step's latency, stretched by the prefills
+    that share the stages (one arrives per finished request: n / (output x TPOT) per second, each taking
+    `extra` of every stage): TPOT = L / (1 - rate x extra) = L + n x extra / output. With pp stages the
+    requests in the prefill's own step wait `extra` at every stage and the other groups once behind it: on
+    average (pp + 1) / 2 times `extra`."""
+    step = _decode_step(replica, n / pp, prompt, output)
+    extra, _ = _prefill(replica, n / pp, prompt, output, budget)
+    return step.latency_s + n * extra * (pp + 1) / 2 / output, step
 
 
 def _max_running(replica: Replica, limits: BatchLimits, prompt: float, output: float, pp: int) -> float:
@@ -98,19 +121,14 @@ def _max_running(replica: Replica, limits: BatchLimits, prompt: float, output: f
     block = limits.block_size
     held = math.ceil((prompt + output / 2) / block) * block  # tokens a request holds on average
     by_kv = replica.kv_blocks * block / held
-    by_budget = pp * limits.max_tokens_per_step / (1 + prompt / output)
+    by_budget = pp * limits.max_tokens_per_step
     return max(1.0, min(float(limits.max_batch), by_kv, by_budget))
 
 
-def _ttft_service(replica: Replica, per_step: float, prompt: float, output: float, budget: int) -> float:
-    """Prefill of one prompt: its chunks, each one step latency, beside the running decodes."""
-    room = max(1, budget - round(per_step))
-    chunks = max(1, math.ceil(prompt / room))
-    chunk = min(room, prompt)
-    decodes = max(1, round(per_step))
-    step = replica.cost.step(decodes + round(chunk), decodes, round(decodes * (prompt + output / 2)),
-                             [(0, round(chunk))] * 1, samples=decodes + 1)
-    return chunks * step.latency_s
+def capacity_tokens_per_s(replica: Replica, limits: BatchLimits, prompt: float, output: float, pp: int) -> float:
+    """Output tokens/s of one replica at saturation."""
+    top = _max_running(replica, limits, prompt, output, pp)
+    return top / _tpot(replica, top, prompt, output, limits.max_tokens_per_step, pp)[0]
 
 
 def replica_state(replica: Replica, limits: BatchLimits, workload: Workload, running: float | None,
@@ -119,31 +137,29 @@ def replica_state(replica: Replica, limits: BatchLimits, workload: Workload, run
     prompt, output = workload.mean_prompt, workload.mean_output
     budget = limits.max_tokens_per_step
     top = _max_running(replica, limits, prompt, output, pp)
-    full = _step(replica, top / pp, prompt, output, budget)
-    capacity = (top / pp) / full.stage_s
+    capacity = capacity_tokens_per_s(replica, limits, prompt, output, pp)
     saturated = False
     if rate is not None and math.isfinite(rate):
-        demand = rate * output
-        if demand >= SATURATION * capacity:
+        if rate * output >= SATURATION * capacity:
             saturated, n = True, top
         else:
-            n = min(top, max(1.0, rate * output * full.latency_s))
+            n = min(top, max(1.0, rate * output * _tpot(replica, 1, prompt, output, budget, pp)[0]))
             for _ in range(40):  # Little's law: n = rate x (TTFT + output x TPOT)
-                step = _step(replica, n / pp, prompt, output, budget)
-                ttft = _ttft_service(replica, n / pp, prompt, output, budget)
-                n_new = min(top, max(rate * (ttft + output * step.latency_s), 1e-3))
+                tpot = _tpot(replica, n, prompt, output, budget, pp)[0]
+                ttft = _prefill(replica, n / pp, prompt, output, budget)[1]
+                n_new = min(top, max(rate * (ttft + output * tpot), 1e-3))
                 if abs(n_new - n) < 1e-3 * n:
                     n = n_new
                     break
                 n = 0.5 * (n + n_new)
     else:
         n = top if running is None else min(running, top)
-    step = _step(replica, n / pp, prompt, output, budget)
-    tokens_per_s = (n / pp) / step.stage_s if n >= pp else n / step.latency_s
+    tpot, step = _tpot(replica, n, prompt, output, budget, pp)
+    tokens_per_s = n / tpot
     if rate is not None and math.isfinite(rate) and not saturated:
         tokens_per_s = rate * output
-    service = _ttft_service(replica, n / pp, prompt, output, budget)
-    service_p90 = _ttft_service(replica, n / pp, workload.quantile_prompt(0.9), output, budget)
+    service = _prefill(replica, n / pp, prompt, output, budget)[1]
+    service_p90 = _prefill(replica, n / pp, workload.quantile_prompt(0.9), output, budget)[1]
     if rate is not None and math.isfinite(rate):
         rho = min(tokens_per_s / capacity, SATURATION)
         wait = math.inf if saturated else rho / (2 * (1 - rho)) * step.stage_s + step.stage_s / 2
@@ -151,7 +167,7 @@ def replica_state(replica: Replica, limits: BatchLimits, workload: Workload, run
     elif rate is not None:  # inf: all queued at once; admitted in waves of n as earlier ones finish
         # Request i waits for (i // n) waves before it, then for the prefill of the (i % n) admitted with it,
         # which share the token budget of each step.
-        wave = service + output * step.latency_s
+        wave = service + output * tpot
         count, width = max(1, round(drain_requests)), max(1, int(n))
         admit = prompt / (budget * pp) * step.stage_s
         wait = sum((i // width) * wave + (i % width) * admit for i in range(count)) / count
@@ -160,8 +176,8 @@ def replica_state(replica: Replica, limits: BatchLimits, workload: Workload, run
     else:
         wait = wait_p90 = step.stage_s / 2
     p90_running = min(top, n + Z90 * math.sqrt(n)) if rate is not None and math.isfinite(rate) else n
-    tpot_p90 = _step(replica, p90_running / pp, prompt, output, budget).latency_s
-    return ReplicaState(n, top, 0.0, step, step.latency_s, max(tpot_p90, step.latency_s), wait + service,
+    tpot_p90 = _tpot(replica, p90_running, prompt, output, budget, pp)[0]
+    return ReplicaState(n, top, 0.0, step, tpot, max(tpot_p90, tpot), wait + service,
                         wait_p90 + service_p90, tokens_per_s, capacity, saturated)
 
 
@@ -174,8 +190,7 @@ def estimate_serving(replicas: list[Replica], limits: BatchLimits, workload: Wor
     for replica in replicas:
         key = (id(replica.cost), replica.kv_blocks)
         if key not in known:
-            top = _max_running(replica, limits, prompt, output, pp)
-            known[key] = (top / pp) / _step(replica, top / pp, prompt, output, limits.max_tokens_per_step).stage_s
+            known[key] = capacity_tokens_per_s(replica, limits, prompt, output, pp)
         capacities.append(known[key])
     total = sum(capacities)
     rate = workload.offered_rate
