@@ -122,7 +122,8 @@ def _candidate(model: ModelSpec, cluster: ClusterSpec, layout: ServeLayout, work
         meets = estimate.meets(workload) and (rate is None or goodput >= rate * (1 - 1e-6))
         reason = "" if meets else (f"meets the targets up to {goodput:.2f} requests/s on all {needed} replicas"
                                    if rate is not None else "misses the targets at this load")
-        return ServeCandidate(layout, estimate, one.score if meets else 0.0, meets, reason, goodput)
+        per_device = one.goodput_rps / (layout.tp * layout.pp)
+        return ServeCandidate(layout, estimate, per_device if meets else 0.0, meets, reason, goodput)
     replicas = place(model, cluster, layout, kv_blocks, kv_memory)
     limits, pp = layout.limits, layout.pp
     saturated = estimate_serving(replicas, limits, replace(workload, rate=math.inf, batch=None), pp)
@@ -158,6 +159,11 @@ def _candidate(model: ModelSpec, cluster: ClusterSpec, layout: ServeLayout, work
                           "" if meets else "misses the targets at this load", goodput)
 
 
+def _rank(c: ServeCandidate) -> tuple:
+    """Meeting the targets first, then the score; among those that miss, the highest goodput per device."""
+    return (c.meets, c.score, c.goodput_rps / c.layout.devices)
+
+
 def search_serving(model: ModelSpec, cluster: ClusterSpec, workload: Workload, dtype: str, kv_dtype: str,
                    fixed: dict, kv_blocks: int | None = None, kv_memory: float | None = None) -> list[ServeCandidate]:
     """Every split, best first (module docstring). `fixed`: tp/pp/ep/replicas/max_batch/max_tokens_per_step given."""
@@ -178,7 +184,7 @@ def search_serving(model: ModelSpec, cluster: ClusterSpec, workload: Workload, d
     if not found:
         raise NoServingLayout("no tp x pp split places " + model.name + " on " + cluster.label + (
             ": " + failures[-1] if failures else ""))
-    found.sort(key=lambda c: (c.meets, c.score), reverse=True)
+    found.sort(key=_rank, reverse=True)
     if not (fixed.get("max_batch") and fixed.get("max_tokens_per_step")):
         refined = []
         for best in found[:REFINE_TOP]:
@@ -191,7 +197,7 @@ def search_serving(model: ModelSpec, cluster: ClusterSpec, workload: Workload, d
                                  best.layout.pp, limits=limits)
                 refined.append(_candidate(model, cluster, layout, workload, kv_blocks, kv_memory))
         found.extend(refined)
-        found.sort(key=lambda c: (c.meets, c.score), reverse=True)
+        found.sort(key=_rank, reverse=True)
     best_of_split: dict[tuple[int, int, int, int], ServeCandidate] = {}  # the best limits of each split
     for c in found:
         best_of_split.setdefault((c.layout.tp, c.layout.pp, c.layout.ep, c.layout.replicas), c)
