@@ -33,6 +33,7 @@ path); `kv_dtype=fp8` halves the KV read and doubles the cache capacity. No torc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fivefold.cost.comm import SELF, GroupLink, all_reduce_time, p2p_time
@@ -200,7 +201,7 @@ class ReplicaCost:
         return self.layers * elementwise_time(self.device, kv_tokens * self.kv_token_bytes / PAGED_ATTENTION_EFFICIENCY,
                                               1)
 
-    def prefill_attention_s(self, chunks: list[tuple[int, int]]) -> float:
+    def prefill_attention_s(self, chunks: Sequence[tuple[int, int]]) -> float:
         """FlashAttention forward of prefill chunks, each (start, length): queries attend to start + length keys."""
         m, seconds, cache = self.model, 0.0, self._attention_cache
         heads = self.q_local // m.head_dim
@@ -216,7 +217,7 @@ class ReplicaCost:
         return self.layers * seconds
 
     def step(self, tokens: int, decode_requests: int, decode_kv_tokens: int,
-             prefill_chunks: list[tuple[int, int]] = (), samples: int | None = None) -> StepCost:
+             prefill_chunks: Sequence[tuple[int, int]] = (), samples: int | None = None) -> StepCost:
         """One step: `tokens` rows in all; `decode_requests` of them decode with `decode_kv_tokens` cached in all;
         `prefill_chunks` (start, length) are the prefill parts; `samples` rows sample (default: the decodes)."""
         if tokens <= 0:
@@ -225,7 +226,7 @@ class ReplicaCost:
         samples = decode_requests if samples is None else samples
         other += self.head_s(samples)
         attention = self.decode_attention_s(decode_kv_tokens, decode_requests)
-        attention += self.prefill_attention_s(list(prefill_chunks))
+        attention += self.prefill_attention_s(prefill_chunks)
         send = p2p_time(tokens * self.model.hidden * self.activation_bytes, self.pp_link) if self.pp > 1 else 0.0
         host = self.host_s + self.host_per_request_s * (decode_requests + len(prefill_chunks))
         return StepCost(gemm, attention, comm, other, send, host, self.pp)

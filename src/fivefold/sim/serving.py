@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from heapq import heappop, heappush
+from typing import Any
 
 from fivefold.batching import Scheduler, pick_replica
 from fivefold.cost.deployment import Replica, limits_with_blocks
@@ -123,7 +124,7 @@ def simulate_serving(replicas: list[Replica], limits: BatchLimits, workload: Wor
     result = ServingSimResult(records, replicas=len(replicas), kv_blocks=[r.kv_blocks for r in replicas])
     record_ids = [str(index) for index in range(len(records))]
     by_id = dict(zip(record_ids, records))
-    events: list[tuple[float, int, int, object]] = []
+    events: list[tuple[float, int, int, Any]] = []  # (time, kind, tie-break, request index | replica | (r, step))
     counter = 0
     closed = workload.batch
     next_request = 0
@@ -169,14 +170,14 @@ def simulate_serving(replicas: list[Replica], limits: BatchLimits, workload: Wor
         elif kind == STAGE_FREE:
             start_steps(payload, now)
         else:
-            r, step = payload
+            r, done = payload
             in_flight[r] -= 1
-            for request_id, sampled, start in zip(step.request_ids, step.samples, step.starts):
+            for request_id, sampled, start in zip(done.request_ids, done.samples, done.starts):
                 if sampled and start < by_id[request_id].prompt_tokens + 1:  # a prefill's end: maybe the first
                     record = by_id[request_id]
                     if record.first_token_s != record.first_token_s:  # NaN: the first token
                         record.first_token_s = now
-            for request_id in schedulers[r].update(step):
+            for request_id in schedulers[r].update(done):
                 by_id[request_id].finish_s = now
                 if closed is not None and next_request < len(records):
                     heappush(events, (now, ARRIVAL, next_request, next_request))
