@@ -140,3 +140,12 @@ def test_dev_set_mape_stays_under_the_target():
     assert len(rows) >= 450
     assert validate.mape(rows) <= validate.TARGET_MAPE
     assert validate.mape([r for r in rows if r.source == "gpt-fast"]) <= validate.TARGET_MAPE
+
+
+def test_serving_flags_need_serve_and_requests_must_fit_the_cache(capsys, tmp_path):
+    assert main(["estimate", "--rate", "5"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --rate='5': is a serving flag; add --serve (or drop it)"
+    assert main(["simulate", "--serve", "--model", "llama3-8b", "--cluster", "1x1xH100-SXM", "--kv-blocks", "10",
+                 "--out-dir", str(tmp_path / "sim")]) == 2
+    assert capsys.readouterr().err.startswith("error: --output-len='512+128 tokens': a request longer than the KV")
+    assert not (tmp_path / "sim").exists()

@@ -48,6 +48,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from fivefold.serving_cli import cmd_plan_serve
 
         return cmd_plan_serve(args, console, print_json)
+    from fivefold.serving_cli import check_serve_only_flags
+
+    check_serve_only_flags(args)
     from fivefold.cost import stack_named
     from fivefold.planner import Choices, search
     from fivefold.planner.render import plan_json, plan_renderables, plan_title
@@ -90,6 +93,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         from fivefold.serving_cli import cmd_estimate_serve
 
         return cmd_estimate_serve(args, console, print_json)
+    from fivefold.serving_cli import check_serve_only_flags
+
+    check_serve_only_flags(args)
     from fivefold.cost import estimate, stack_named
 
     plan = plan_from_args(args)
@@ -110,6 +116,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from fivefold.serving_cli import cmd_simulate_serve
 
         return cmd_simulate_serve(args, console, print_json)
+    from fivefold.serving_cli import check_serve_only_flags
+
+    check_serve_only_flags(args)
     from fivefold.cost import estimate as estimate_plan
     from fivefold.cost import stack_named
     from fivefold.sim import parse_stage_times, simulate_plan

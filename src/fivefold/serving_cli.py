@@ -27,6 +27,20 @@ class ServeInputs:
     kv_memory_gib: float | None  # --kv-memory
 
 
+# The serving flags and their defaults (flags.add_workload_flags, add_serve_layout_flags).
+SERVE_ONLY = {"prompt_len": "512", "output_len": "128", "trace": None, "rate": None, "batch": None, "requests": 1000,
+              "ttft_slo": None, "tpot_slo": None, "replicas": None, "max_batch": None, "max_tokens_per_step": None,
+              "kv_blocks": None, "kv_memory": None, "kv_dtype": None}
+
+
+def check_serve_only_flags(args: argparse.Namespace) -> None:
+    """A serving flag without --serve would be ignored silently: refuse it."""
+    for name, default in SERVE_ONLY.items():
+        if hasattr(args, name) and getattr(args, name) != default:
+            raise SpecError("--" + name.replace("_", "-"), getattr(args, name),
+                            "is a serving flag; add --serve (or drop it)")
+
+
 def workload_from_args(args: argparse.Namespace) -> Workload:
     trace = load_trace(args.trace) if args.trace else ()
     return Workload(prompt_len=parse_length(args.prompt_len, "--prompt-len"),

@@ -118,9 +118,12 @@ def simulate_serving(replicas: list[Replica], limits: BatchLimits, workload: Wor
     stream = workload.requests(workload.num_requests, seed)
     schedulers = [Scheduler(limits_with_blocks(limits, r.kv_blocks), pipeline_depth=pp) for r in replicas]
     records = [RequestRecord(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in stream]
-    for index, record in enumerate(records):  # refuse what can never fit before replaying anything
-        if record.prompt_tokens + record.output_tokens > min(s.limits.kv_tokens for s in schedulers):
-            schedulers[0].check_fits(record.prompt_tokens, record.output_tokens)
+    capacity = min(s.limits.kv_tokens for s in schedulers)
+    for record in records:  # refuse what can never fit before replaying anything
+        if record.prompt_tokens + record.output_tokens > capacity:
+            raise SpecError("--output-len", f"{record.prompt_tokens}+{record.output_tokens} tokens",
+                            f"a request longer than the KV cache's {capacity} tokens per replica never runs; give "
+                            "more --kv-memory / --kv-blocks, or shorter requests")
     result = ServingSimResult(records, replicas=len(replicas), kv_blocks=[r.kv_blocks for r in replicas])
     record_ids = [str(index) for index in range(len(records))]
     by_id = dict(zip(record_ids, records))
