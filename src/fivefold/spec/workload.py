@@ -156,6 +156,10 @@ class Workload:
         return f"{lengths}, {arrivals}" + (f"; {targets}" if targets else "")
 
     def to_dict(self) -> dict:
+        if self.trace:  # the trace's lengths, not the flags' (which it replaces)
+            return {"prompt_len": f"{self.mean_prompt:g}", "output_len": f"{self.mean_output:g}", "rate": self.rate,
+                    "batch": self.batch, "ttft_slo": self.ttft_slo, "tpot_slo": self.tpot_slo,
+                    "trace_requests": len(self.trace), "trace_rate": self.offered_rate}
         return {"prompt_len": str(self.prompt_len), "output_len": str(self.output_len), "rate": self.rate,
                 "batch": self.batch, "ttft_slo": self.ttft_slo, "tpot_slo": self.tpot_slo,
                 "trace_requests": len(self.trace)}
