@@ -78,3 +78,15 @@ def test_edge_laptops_on_wifi_prefer_fewer_tp_hops_when_latency_grows():
     assert slow[0].layout.tp < 4
     step = next(c for c in slow if c.layout.tp == 4).estimate.replicas[0].stage
     assert step.tp_comm_s > 0.5 * step.stage_s
+
+
+def test_plan_and_estimate_serve_human_output(capsys):
+    common = ["--serve", "--model", "llama3-70b", "--cluster", "1x8xH100-SXM", "--rate", "5", "--ttft-slo", "2",
+              "--tpot-slo", "0.05"]
+    assert main(["plan", *common]) == 0
+    out = capsys.readouterr().out
+    assert "score: goodput, requests/s per device meeting both p90 targets" in out
+    assert "Best: tp=" in out and "decode turns compute-bound at ~251 tokens per step" in out
+    assert main(["estimate", *common, "--tp", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "where a step's time goes" in out and "tensor-parallel all-reduces" in out and "meets TTFT" in out
