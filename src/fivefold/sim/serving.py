@@ -3,11 +3,13 @@
 Each replica runs a batching.Scheduler (continuous batching, chunked prefill, paged KV with preemption by
 recompute) — the object `fivefold serve` runs — and a request goes to the replica `batching.pick_replica`
 picks (fewest queued tokens). A step's time is the cost model's (cost/serving.ReplicaCost.step) for what the
-scheduler put in it. With pp stages a replica starts a new step every busiest-stage time while fewer than pp
-steps are in flight; the scheduler skips requests whose step has not come back (update not yet called), as in
-the runtime. `--batch B` is a closed loop: each finished request lets the next one in at once.
+scheduler put in it. As the runtime's Engine.step does, a replica schedules and submits steps until pp are in
+flight (Scheduler(limits, pipeline_depth=pp) gives each about 1/pp of the requests); a submitted step enters
+stage 0 when the one before it has left, so a replica starts a step every busiest-stage time. The scheduler
+skips requests whose step has not come back (update not yet called). `--batch B` is a closed loop: each
+finished request lets the next one in at once.
 
-Discrete events in time order (a heap): arrivals, stage-0 free, step done. No torch here.
+Discrete events in time order (a heap): arrivals and finished steps. No torch here.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from fivefold.errors import SpecError
 from fivefold.spec.serve import BatchLimits
 from fivefold.spec.workload import Workload
 
-ARRIVAL, STAGE_FREE, STEP_DONE = 2, 1, 0  # at equal times: finish steps first, then start, then admit
+ARRIVAL, STEP_DONE = 1, 0  # at equal times: finish steps first, then admit
 
 
 @dataclass
@@ -141,24 +143,25 @@ def simulate_serving(replicas: list[Replica], limits: BatchLimits, workload: Wor
     steps_out = result.steps
 
     def start_steps(r: int, now: float) -> None:
+        """What the runtime's Engine.step does: schedule and submit until pp steps are in flight. A submitted
+        step enters stage 0 when the step before it has left it."""
         nonlocal counter
         scheduler = schedulers[r]
-        while in_flight[r] < pp and stage_free[r] <= now:
+        while in_flight[r] < pp:
             step = scheduler.schedule()
             result.preemptions += len(step.preempted)
             if not step.request_ids:
                 return
             stage, latency = _step_cost(replicas[r], step)
+            start = max(now, stage_free[r])
             in_flight[r] += 1
-            stage_free[r] = now + stage
+            stage_free[r] = start + stage
             counter += 1
-            heappush(events, (now + latency, STEP_DONE, counter, (r, step)))
-            if pp > 1:
-                counter += 1
-                heappush(events, (now + stage, STAGE_FREE, counter, r))
+            heappush(events, (start + latency, STEP_DONE, counter, (r, step)))
             if record_steps:
-                steps_out.append(StepRecord(r, now, now + latency, stage, len(step.request_ids), step.total_tokens,
-                                            scheduler.pool.in_use, len(scheduler.waiting), len(step.preempted)))
+                steps_out.append(StepRecord(r, start, start + latency, stage, len(step.request_ids),
+                                            step.total_tokens, scheduler.pool.in_use, len(scheduler.waiting),
+                                            len(step.preempted)))
 
     while events:
         now, kind, _, payload = heappop(events)
@@ -170,8 +173,6 @@ def simulate_serving(replicas: list[Replica], limits: BatchLimits, workload: Wor
             record.replica = r
             schedulers[r].add(record_ids[index], record.prompt_tokens, record.output_tokens)
             start_steps(r, now)
-        elif kind == STAGE_FREE:
-            start_steps(payload, now)
         else:
             r, done = payload
             in_flight[r] -= 1
