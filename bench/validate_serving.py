@@ -57,7 +57,7 @@ TRT_LIMITS = BatchLimits(max_batch=4096, max_tokens_per_step=8192)
 # The Triton rows' engine limits are not printed; tensorrtllm_backend's inflight_batcher_llm templates are
 # filled with the user's triton_max_batch_size, and 256 is what matches the rows' inter-token latency at qps=inf.
 TRITON_LIMITS = BatchLimits(max_batch=256, max_tokens_per_step=8192)
-TRT_KV_SHARE = 0.95
+TRT_KV_SHARE = 0.95  # and its default GUARANTEED_NO_EVICT admission: no_evict=True
 # Triton's ensemble (HTTP, the Python tokenizer model, the first detokenization) before the first token: the
 # rows' TTFT at 2 QPS less the predicted prefill, ~10 ms.
 TRITON_FRONTEND_S = 0.010
@@ -90,7 +90,7 @@ def _predict(model: ModelSpec, device: str, tp: int, pp: int, dtype: str, limits
     replicas = place(model, cluster, layout, kv_memory_gib=kv_memory)
     for replica in replicas:
         replica.cost.host_per_request_s = TRITON_PER_REQUEST_S if frontend_s else 0.0
-    return estimate_serving(replicas, limits, workload, pp, frontend_s)
+    return estimate_serving(replicas, limits, workload, pp, frontend_s, no_evict=kv_share is not None)
 
 
 def gptfast_rows(reference: Path) -> list[Row]:

@@ -71,3 +71,15 @@ def test_simulate_serve_cli_writes_trace_and_picture(tmp_path, capsys):
     trace = json.loads((tmp_path / "serve_trace.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
     assert (tmp_path / "serve_timeline.png").stat().st_size > 10_000
+
+
+def test_estimate_follows_the_simulation_when_the_cache_binds_and_preempts():
+    replicas = place(LLAMA8, H100x8, ServeLayout(), kv_blocks=1000)
+    for prompt, output in ((512, 128), (128, 512)):
+        workload = Workload(prompt_len=Length(prompt), output_len=Length(output), rate=math.inf, num_requests=600)
+        result = simulate_serving(replicas, BatchLimits(), workload, 1)
+        estimate = estimate_serving(replicas, BatchLimits(), workload, 1)
+        assert result.preemptions > 0.1 * 600
+        assert estimate.output_tokens_per_s == pytest.approx(result.to_dict()["output_tokens_per_s"], rel=0.08)
+        no_evict = estimate_serving(replicas, BatchLimits(), workload, 1, no_evict=True)
+        assert no_evict.replicas[0].running <= estimate.replicas[0].running  # whole requests reserved

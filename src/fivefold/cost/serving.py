@@ -51,7 +51,7 @@ STEP_HOST_S = 0.6e-3
 HOST_PER_REQUEST_S = 0.0
 # Paged decode attention reads scattered KV blocks (gather by block table, one query row per head): it
 # reaches this share of the streaming bandwidth (fitted on the development set's long-output rows).
-PAGED_ATTENTION_EFFICIENCY = 0.85
+PAGED_ATTENTION_EFFICIENCY = 0.9
 # CUDA graphs remove the host launch of every kernel; what stays is each kernel's ramp-up and tail on the
 # device (~2 us, about half the eager per-kernel latency of cost/compute.py's profiles).
 GRAPH_KERNEL_LATENCY_S = 2e-6

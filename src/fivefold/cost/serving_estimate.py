@@ -30,6 +30,8 @@ from fivefold.spec.workload import Workload
 
 Z90 = 1.2816  # standard normal 0.9-quantile
 SATURATION = 0.98  # utilisation above which a finite rate counts as saturated
+PREEMPTIONS = 0.7  # preemptions per request at output = prompt with the KV cache binding (see _max_running)
+KV_OCCUPANCY = 0.9  # requests running / what the blocks hold on average, when the cache binds (see _max_running)
 
 
 @dataclass
@@ -105,39 +107,51 @@ def _prefill(replica: Replica, per_step: float, prompt: float, output: float, bu
     return extra, service
 
 
-def _tpot(replica: Replica, n: float, prompt: float, output: float, budget: int, pp: int) -> tuple[float, StepCost]:
+def _tpot(replica: Replica, n: float, prompt: float, output: float, budget: int, pp: int,
+          recompute: float = 1.0) -> tuple[float, StepCost]:
     """Mean time per output token with n requests running: the decode step's latency, stretched by the prefills
     that share the stages (one arrives per finished request: n / (output x TPOT) per second, each taking
     `extra` of every stage): TPOT = L / (1 - rate x extra) = L + n x extra / output. With pp stages the
     requests in the prefill's own step wait `extra` at every stage and the other groups once behind it: on
-    average (pp + 1) / 2 times `extra`."""
+    average (pp + 1) / 2 times `extra`. `recompute`: prompts computed per request (1 + preemptions)."""
     step = _decode_step(replica, n / pp, prompt, output)
     extra, _ = _prefill(replica, n / pp, prompt, output, budget)
-    return step.latency_s + n * extra * (pp + 1) / 2 / output, step
+    return step.latency_s + recompute * n * extra * (pp + 1) / 2 / output, step
 
 
-def _max_running(replica: Replica, limits: BatchLimits, prompt: float, output: float, pp: int) -> float:
-    """Requests the scheduler keeps running at most: batch limit, KV blocks, token budget."""
+def _max_running(replica: Replica, limits: BatchLimits, prompt: float, output: float, pp: int,
+                 no_evict: bool = False) -> tuple[float, float]:
+    """(requests the scheduler keeps running at most: batch limit, KV blocks, token budget; prompts computed per
+    request). fivefold's scheduler (vLLM's) admits on the first chunk's blocks, so the cache holds each request's
+    prompt and half its output on average, and a full cache preempts the newest request, which computes its
+    prompt again: PREEMPTIONS x (output / prompt) ** 0.85 times per request while the KV blocks bind, and the
+    churn keeps KV_OCCUPANCY of the requests the blocks hold running (both fitted on sim/serving.py's replays of
+    that scheduler, Llama 3 8B on one H100, output/prompt 1/4 to 4). `no_evict`: TensorRT-LLM's default
+    GUARANTEED_NO_EVICT admission reserves the whole request (prompt + output) and never preempts."""
     block = limits.block_size
-    held = math.ceil((prompt + output / 2) / block) * block  # tokens a request holds on average
+    held = math.ceil((prompt + (output if no_evict else output / 2)) / block) * block
     by_kv = replica.kv_blocks * block / held
-    by_budget = pp * limits.max_tokens_per_step
-    return max(1.0, min(float(limits.max_batch), by_kv, by_budget))
+    other = min(float(limits.max_batch), pp * limits.max_tokens_per_step)
+    if no_evict or by_kv >= other:
+        return max(1.0, other if by_kv >= other else by_kv), 1.0
+    # The cache binds: preemption churn keeps KV_OCCUPANCY of that many running (fitted like PREEMPTIONS).
+    return max(1.0, KV_OCCUPANCY * by_kv), 1.0 + PREEMPTIONS * (output / prompt) ** 0.85
 
 
-def capacity_tokens_per_s(replica: Replica, limits: BatchLimits, prompt: float, output: float, pp: int) -> float:
+def capacity_tokens_per_s(replica: Replica, limits: BatchLimits, prompt: float, output: float, pp: int,
+                          no_evict: bool = False) -> float:
     """Output tokens/s of one replica at saturation."""
-    top = _max_running(replica, limits, prompt, output, pp)
-    return top / _tpot(replica, top, prompt, output, limits.max_tokens_per_step, pp)[0]
+    top, recompute = _max_running(replica, limits, prompt, output, pp, no_evict)
+    return top / _tpot(replica, top, prompt, output, limits.max_tokens_per_step, pp, recompute)[0]
 
 
 def replica_state(replica: Replica, limits: BatchLimits, workload: Workload, running: float | None,
-                  rate: float | None, pp: int, drain_requests: float) -> ReplicaState:
+                  rate: float | None, pp: int, drain_requests: float, no_evict: bool = False) -> ReplicaState:
     """Steady state at `running` requests (inf / batch) or at `rate` requests/s (fixed point)."""
     prompt, output = workload.mean_prompt, workload.mean_output
     budget = limits.max_tokens_per_step
-    top = _max_running(replica, limits, prompt, output, pp)
-    capacity = capacity_tokens_per_s(replica, limits, prompt, output, pp)
+    top, full_recompute = _max_running(replica, limits, prompt, output, pp, no_evict)
+    capacity = capacity_tokens_per_s(replica, limits, prompt, output, pp, no_evict)
     saturated = False
     if rate is not None and math.isfinite(rate):
         if rate * output >= SATURATION * capacity:
@@ -145,7 +159,7 @@ def replica_state(replica: Replica, limits: BatchLimits, workload: Workload, run
         else:
             n = min(top, max(1.0, rate * output * _tpot(replica, 1, prompt, output, budget, pp)[0]))
             for _ in range(40):  # Little's law: n = rate x (TTFT + output x TPOT)
-                tpot = _tpot(replica, n, prompt, output, budget, pp)[0]
+                tpot = _tpot(replica, n, prompt, output, budget, pp, full_recompute if n >= 0.95 * top else 1.0)[0]
                 ttft = _prefill(replica, n / pp, prompt, output, budget)[1]
                 n_new = min(top, max(rate * (ttft + output * tpot), 1e-3))
                 if abs(n_new - n) < 1e-3 * n:
@@ -154,7 +168,8 @@ def replica_state(replica: Replica, limits: BatchLimits, workload: Workload, run
                 n = 0.5 * (n + n_new)
     else:
         n = top if running is None else min(running, top)
-    tpot, step = _tpot(replica, n, prompt, output, budget, pp)
+    recompute = full_recompute if n >= 0.95 * top else 1.0
+    tpot, step = _tpot(replica, n, prompt, output, budget, pp, recompute)
     tokens_per_s = n / tpot
     if rate is not None and math.isfinite(rate) and not saturated:
         tokens_per_s = rate * output
@@ -176,13 +191,13 @@ def replica_state(replica: Replica, limits: BatchLimits, workload: Workload, run
     else:
         wait = wait_p90 = step.stage_s / 2
     p90_running = min(top, n + Z90 * math.sqrt(n)) if rate is not None and math.isfinite(rate) else n
-    tpot_p90 = _tpot(replica, p90_running, prompt, output, budget, pp)[0]
+    tpot_p90 = _tpot(replica, p90_running, prompt, output, budget, pp, recompute)[0]
     return ReplicaState(n, top, 0.0, step, tpot, max(tpot_p90, tpot), wait + service,
                         wait_p90 + service_p90, tokens_per_s, capacity, saturated)
 
 
 def estimate_serving(replicas: list[Replica], limits: BatchLimits, workload: Workload, pp: int,
-                     frontend_s: float = 0.0) -> ServingEstimate:
+                     frontend_s: float = 0.0, no_evict: bool = False) -> ServingEstimate:
     """The deployment's steady state (module docstring); `replicas` from cost/deployment.place. `frontend_s`: a
     serving frontend's own latency before the first token (HTTP, tokenizer), added to TTFT."""
     prompt, output = workload.mean_prompt, workload.mean_output
@@ -190,7 +205,7 @@ def estimate_serving(replicas: list[Replica], limits: BatchLimits, workload: Wor
     for replica in replicas:
         key = (id(replica.cost), replica.kv_blocks)
         if key not in known:
-            known[key] = capacity_tokens_per_s(replica, limits, prompt, output, pp)
+            known[key] = capacity_tokens_per_s(replica, limits, prompt, output, pp, no_evict)
         capacities.append(known[key])
     total = sum(capacities)
     rate = workload.offered_rate
@@ -203,7 +218,7 @@ def estimate_serving(replicas: list[Replica], limits: BatchLimits, workload: Wor
             running = workload.batch * share if workload.batch is not None else None
             replica_rate = rate * share if rate is not None else None
             seen[key] = replica_state(replica, limits, workload, running, replica_rate, pp,
-                                      workload.num_requests * share)
+                                      workload.num_requests * share, no_evict)
             seen[key].share = share
         states.append(seen[key])
     tokens = sum(s.output_tokens_per_s for s in states)
