@@ -40,7 +40,7 @@ def test_nothing_meets_says_why(capsys):
                  "--tpot-slo", "0.002", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert not any(c["meets_targets"] for c in out["candidates"])
-    assert out["explanation"][0].startswith("[red]No layout meets the targets")
+    assert out["explanation"][0] == "No layout meets the targets. Closest splits:"
     assert "decodes at" in out["explanation"][1] and "target 2 ms" in out["explanation"][1]
 
 

@@ -198,7 +198,7 @@ def explain_winner(candidates: list, workload: Workload) -> list[str]:
     heaviest = max(STEP_LABELS, key=lambda key: getattr(step, key))
     lines = []
     if workload.has_targets and not best.meets:
-        lines.append("[red]No layout meets the targets.[/red] Closest splits:")
+        lines.append("No layout meets the targets. Closest splits:")
         seen = set()
         for c in candidates:
             key = (c.layout.tp, c.layout.pp)
@@ -261,5 +261,6 @@ def cmd_plan_serve(args: argparse.Namespace, console: Callable[[], Any], print_j
     out.print("score: " + ("goodput, requests/s per device meeting both p90 targets" if inputs.workload.has_targets
                            else "output tokens/s per device at saturation"))
     for line in explanation:
-        out.print(line, soft_wrap=True)
+        style = "red" if line.startswith("No layout meets") else None
+        out.print(line, soft_wrap=True, style=style, markup=False)
     return 0
