@@ -156,12 +156,26 @@ READ_BACK = [
      "fivefold.json:extra.train_state:step='2': must be an integer, not a str"),
 ]
 
+SERVING = [
+    ("estimate --serve --model llama3-8b --cluster 1x8xH100-SXM --replicas 0", "serve.replicas=0: must be a positive"),
+    ("estimate --serve --model llama3-8b --cluster 1x8xH100-SXM --max-batch 0", "serve.max_batch=0: must be a"),
+    ("estimate --serve --model llama3-8b --cluster 1x8xH100-SXM --tp 0", "serve.tp=0: must be a positive integer"),
+    ("estimate --serve --model llama3-8b --cluster 1x8xH100-SXM --tp 3", "--tp=3: must divide the model's 32"),
+    ("estimate --serve --model llama3-8b --cluster 1x8xH100-SXM --ep 2", "--ep=2: expert parallel needs an MoE"),
+    ("estimate --serve --model llama3-8b --cluster 1x8xH100-SXM --rate -1", "--rate=-1.0: must be a positive"),
+    ("estimate --serve --model llama3-8b --cluster 1x8xH100-SXM --output-len 5:inf", "--output-len='5:inf'"),
+    ("estimate --serve --model llama3-8b --cluster 1x8xH100-SXM --ttft-slo nan", "--ttft-slo=nan: must be a finite"),
+    ("estimate --serve --model llama3-8b --cluster 1x8xH100-SXM --kv-memory 1e300", "--kv-memory=1e+300: must be"),
+    ("simulate --serve --model llama3-8b --cluster 1x8xH100-SXM --trace {d}/missing.csv", "--trace='{d}/missing.csv'"),
+    ("plan --serve --model llama3-8b --cluster 1x8xH100-SXM --replicas 0", "--replicas=0: must be at least 1"),
+]
+
 SIZES = [
     ("dryrun --model tiny --global-batch 100000 --seq-len 32 --cluster 1x1xcpu", "more than the dry run steps (1,024)"),
     ("simulate --model tiny --global-batch 4000000 --seq-len 32", "more than the simulator replays"),
 ]
 
-CASES = NUMBERS + MODEL + DECIDING_FLAG + USER_FILES + FOREIGN + READ_BACK + SIZES
+CASES = NUMBERS + MODEL + DECIDING_FLAG + USER_FILES + FOREIGN + READ_BACK + SIZES + SERVING
 
 
 @pytest.mark.parametrize("argv, words", CASES, ids=[argv for argv, _ in CASES])

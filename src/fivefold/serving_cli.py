@@ -63,14 +63,20 @@ def serve_inputs_from_args(args: argparse.Namespace) -> ServeInputs:
         raise SpecError("--kv-blocks", args.kv_blocks, "give --kv-blocks or --kv-memory, not both")
     if args.kv_memory is not None and not (math.isfinite(args.kv_memory) and args.kv_memory > 0):
         raise SpecError("--kv-memory", args.kv_memory, "must be a positive number of GiB")
-    limits = BatchLimits(max_batch=args.max_batch or 256, max_tokens_per_step=args.max_tokens_per_step or 2048,
-                         kv_blocks=args.kv_blocks or 1024)
+    limits = BatchLimits(max_batch=_given(args.max_batch, 256), max_tokens_per_step=_given(args.max_tokens_per_step,
+                                                                                            2048),
+                         kv_blocks=_given(args.kv_blocks, 1024))
     return ServeInputs(model, cluster, workload, dtype, kv_dtype, limits, args.kv_blocks, args.kv_memory)
 
 
 def layout_from_args(args: argparse.Namespace, inputs: ServeInputs) -> ServeLayout:
-    return ServeLayout(tp=args.tp or 1, pp=args.pp or 1, replicas=args.replicas or 1, ep=args.ep or 1,
-                       dtype=inputs.dtype, kv_dtype=inputs.kv_dtype, limits=inputs.limits)
+    return ServeLayout(tp=_given(args.tp, 1), pp=_given(args.pp, 1), replicas=_given(args.replicas, 1),
+                       ep=_given(args.ep, 1), dtype=inputs.dtype, kv_dtype=inputs.kv_dtype, limits=inputs.limits)
+
+
+def _given(value: int | None, default: int) -> int:
+    """A flag's value when given (0 included: the spec refuses it by name), else the default."""
+    return default if value is None else value
 
 
 def _time(seconds: float | None) -> str:
