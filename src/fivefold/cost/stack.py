@@ -105,6 +105,7 @@ class SoftwareStack:
     #                                 dK/dV around the ring in fp32, one hop per ring step (cost/context.py)
     moe_replicated_over_tp: bool = False  # every tp rank runs the whole MoE block (experts unsplit; with SP its
     #                                       input gathered over tp, its output cut back: runtime/expert_parallel.py)
+    moe_dispatch_syncs_host: bool = True  # MoE dispatch copies token counts to the host first (cost/moe_block.py)
     features: Features = Features()  # what the software can run at all
 
     def uses_dropout(self, model: ModelSpec) -> bool:

@@ -52,6 +52,7 @@ from fivefold.cost.layer import padded_vocab
 from fivefold.cost.layout import (Layout, LayerCosts, RankEnv, RankGroup, layer_costs, rank_envs, stage_owners,
                                   stage_params)
 from fivefold.cost.memory import RankMemory, in_flight_chunks, zero_model_state_bytes
+from fivefold.cost.moe_breakdown import with_moe_parts
 from fivefold.cost.pipeline import PipelineTime, pipeline_time, walked_pipelines
 from fivefold.cost.results import Estimate, Score, StageCost
 from fivefold.cost.stack import STACKS, DataParallelSync, SoftwareStack, data_parallel_sync
@@ -127,14 +128,14 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
     model_flops = model_flops_per_step(layout.model, train)
     hardware_flops = hardware_flops_per_step(layout.model, train, layout.recompute)
     peak_sum = sum(ranks.envs[r].device.peak for r in range(p)) * (world // p)
-    slowest = max(ranks.groups, key=lambda g: sum(g.work)).cost
+    slowest = (slowest_group := max(ranks.groups, key=lambda g: sum(g.work))).cost
     comm = {kind: m_batches * getattr(slowest, kind) for kind in ("tp_comm", "cp_comm", "ep_comm")}
     recompute = m_batches * slowest.recompute_compute
     host = m_batches * slowest.host_excess
     compute = pipe.busy - sum(comm.values()) - recompute - host
     breakdown = {"compute": compute, "recompute": recompute, **comm, "host_overhead": host, "pp_comm": pipe.p2p,
                  "bubble": pipe.bubble, "dp_comm": time.dp_exposed_s, "optimizer": time.optimizer_s}
-    return Estimate(
+    return with_moe_parts(Estimate(  # the MoE terms of compute and memory named (cost/moe_breakdown.py)
         describe=describe, world_size=world, micro_batches=m_batches, step_time_s=step,
         tokens_per_s=train.tokens_per_step / step, model_tflops_per_gpu=model_flops / step / world / 1e12,
         hardware_tflops_per_gpu=hardware_flops / step / world / 1e12, mfu=model_flops / (step * peak_sum),
@@ -142,7 +143,8 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
         peak_pp_rank=memory.peak_group.ranks[0], capacity_bytes=memory.peak_group.env.capacity * (1 - headroom),
         rank_memory=rank_memory, stage_costs=time.stages, pipeline_s=pipe.total, bubble_s=pipe.bubble,
         pp_comm_s=pipe.p2p, dp_comm_s=time.dp_comm_s, dp_comm_exposed_s=time.dp_exposed_s,
-        optimizer_s=time.optimizer_s, breakdown_s=breakdown, stack=ranks.stack.name)
+        optimizer_s=time.optimizer_s, breakdown_s=breakdown, stack=ranks.stack.name),
+        layout, slowest_group, memory.peak_group, ranks.stack, ranks.element_bytes)
 
 
 def _rank_groups(layout: Layout, stack: SoftwareStack) -> _RankGroups:
