@@ -62,10 +62,10 @@ def add_layout_flags(parser: argparse.ArgumentParser, for_search: bool = False) 
 
 
 def add_stack_flag(parser: argparse.ArgumentParser) -> None:
-    from fivefold.cost.stack import stack_help
+    from fivefold.cost.stack import DEFAULT_STACK, stack_help
 
-    parser.add_argument("--stack", default="modern", help="software the cost model assumes, and what it can run "
-                        "(default: modern). " + stack_help())
+    parser.add_argument("--stack", default=DEFAULT_STACK, help="software the cost model assumes, and what it can run "
+                        "(default: fivefold, what `fivefold train` runs). " + stack_help())
 
 
 def add_json_flag(parser: argparse.ArgumentParser) -> None:

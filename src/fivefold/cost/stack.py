@@ -120,8 +120,10 @@ class SoftwareStack:
 
 
 STACKS: dict[str, SoftwareStack] = {
-    # Everything current software offers somewhere (no single framework): the planner's open-ended view.
-    "modern": SoftwareStack(features=Features(fp8=True, fp8_all_gather=True, built_on="any current framework")),
+    # Everything current software offers somewhere (no single framework): the planner's open-ended view, with
+    # no measured rows of its own (error band: credibility.UNMEASURED_BAND); no longer the default.
+    "modern": SoftwareStack(features=Features(fp8=True, fp8_all_gather=True,
+                                              built_on="any current framework; no measured rows")),
     # Megatron-Core with Transformer Engine as NVIDIA benchmarks it: TP communication overlapped with
     # GEMMs, distributed optimizer with overlapped gradient reduce and parameter gather.
     "megatron-core": SoftwareStack(
@@ -151,8 +153,12 @@ STACKS: dict[str, SoftwareStack] = {
     # profiled CPU the measured host costs of its eager ops, FSDP2 hooks and AdamW replace it (step.py).
     # Its memory terms as `fivefold dryrun` measured them (docs/validation.md, dry run): selective recompute
     # keeps every matmul and collective output; the plain cross-entropy holds the fp32 log-softmax, its
-    # gradient and the input gradient at once (3 copies); no logits kept between micro-batches.
+    # gradient and the input gradient at once (3 copies); no logits kept between micro-batches. On GPUs its
+    # kernels are TorchTitan's eager ones (the same FSDP2 / DTensor / SDPA blocks without torch.compile): the
+    # unfused element-wise traffic of eager_ops and SDPA's FlashAttention-2, the two terms that reproduce
+    # TorchTitan's eager rows (Llama 3.1 8B, compile off: +0% and +4%, docs/validation.md); `--compile` fuses.
     "fivefold": SoftwareStack(name="fivefold", dropout=False, overlap_tp_backward=False, grad_reduce_bytes=4,
+                              fused_elementwise=False, sdpa_flash2=True,
                               pipeline_keeps_outputs=True, optimizer_temporary_bytes=4.0,
                               selective_saves_ops=True, selective_saves_every_matmul=True, loss_fp32_copies=3,
                               pipeline_returns_outputs=False, tp_gathers_logits=True, moe_replicated_over_tp=True,
@@ -185,6 +191,10 @@ STACKS: dict[str, SoftwareStack] = {
 # latency. On GPUs the bucketed form is kept, so GPU predictions do not depend on it.
 STACKS["fivefold-cpu"] = replace(STACKS["fivefold"], name="fivefold-cpu", overlap_grad_reduce=False,
                                  overlap_param_gather=False, collective_per_module=True)
+
+
+# What `plan`, `estimate`, `simulate` and the Python API assume without --stack: what `fivefold train` runs.
+DEFAULT_STACK = "fivefold"
 
 
 def on_host_profiled_cpu(stack: SoftwareStack) -> SoftwareStack:

@@ -55,7 +55,7 @@ from fivefold.cost.memory import RankMemory, in_flight_chunks, zero_model_state_
 from fivefold.cost.moe_breakdown import with_moe_parts
 from fivefold.cost.pipeline import PipelineTime, pipeline_time, walked_pipelines
 from fivefold.cost.results import Estimate, Score, StageCost
-from fivefold.cost.stack import STACKS, DataParallelSync, SoftwareStack, data_parallel_sync
+from fivefold.cost.stack import DEFAULT_STACK, STACKS, DataParallelSync, SoftwareStack, data_parallel_sync
 from fivefold.spec.plan import Plan
 
 
@@ -64,7 +64,7 @@ def estimate(plan: Plan, stack: SoftwareStack | None = None, headroom: float = 0
     the stack's missing features, extrapolation and the error band (cost/credibility.py)."""
     from fivefold.cost.credibility import annotate
 
-    stack = stack or STACKS["modern"]
+    stack = stack or STACKS[DEFAULT_STACK]
     return annotate(estimate_layout(Layout.of_plan(plan), stack, headroom, plan.describe()), plan, stack)
 
 

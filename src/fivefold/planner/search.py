@@ -27,7 +27,7 @@ from typing import Callable
 
 from fivefold.cost.layout import Layout, layer_work, pacing_replica
 from fivefold.cost.results import Score
-from fivefold.cost.stack import STACKS, SoftwareStack
+from fivefold.cost.stack import DEFAULT_STACK, STACKS, SoftwareStack
 from fivefold.cost.step import estimate, score_layout
 from fivefold.errors import SpecError
 from fivefold.planner.candidates import Candidate, NoFeasiblePlan, SearchResult
@@ -79,7 +79,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
            progress: Callable[[int, int, float], None] | None = None) -> SearchResult:
     """Rank the plans of `model` on `cluster` by predicted step time; only plans that fit are returned."""
     choices = choices or Choices()
-    stack = stack or STACKS["modern"]
+    stack = stack or STACKS[DEFAULT_STACK]
     if not 0 <= headroom < 1:
         raise SpecError("--headroom", headroom, "must be a fraction in [0, 1), e.g. 0.1 keeps 10% free")
     if top < 1:

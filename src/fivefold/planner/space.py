@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from fivefold.cost.compute import dtype_bytes
 from fivefold.cost.context import context_parallel_kept_bytes
 from fivefold.cost.pipeline import bubble_ratio
-from fivefold.cost.stack import STACKS, SoftwareStack
+from fivefold.cost.stack import DEFAULT_STACK, STACKS, SoftwareStack
 from fivefold.errors import SpecError
 from fivefold.spec.checks import check_count
 from fivefold.spec.cluster import ClusterSpec
@@ -86,7 +86,7 @@ def degree_options(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     """Every (dp, tp, pp, cp, ep) whose product is the world size, that Plan.validate accepts and that the
     stack can run."""
     world = cluster.world_size
-    can = (stack or STACKS["modern"]).features.parallelisms
+    can = (stack or STACKS[DEFAULT_STACK]).features.parallelisms
     max_tp, max_pp, max_cp = (world if dim in can else 1 for dim in ("tp", "pp", "cp"))
     mlp_width = model.expert_ffn_hidden if model.is_moe else model.ffn_hidden
     out = []
@@ -142,7 +142,7 @@ def schedule_options(model: ModelSpec, pp: int, micro_batches: int, choices: Cho
             options.append(("zbv", 2))
         if choices.schedule == "gpipe":
             options.append(("gpipe", 1))
-    runs = (stack or STACKS["modern"]).features.schedules
+    runs = (stack or STACKS[DEFAULT_STACK]).features.schedules
     return [(s, v) for s, v in options if (choices.schedule is None or s == choices.schedule)
             and _allowed(v, choices.virtual_stages) and s in runs]
 
@@ -166,7 +166,7 @@ def zero_options(dp: int, cp: int, choices: Choices, uneven_replicas: bool = Fal
         return [choices.zero]
     if dp * cp == 1:
         return [0]
-    levels = (stack or STACKS["modern"]).features.zero_levels
+    levels = (stack or STACKS[DEFAULT_STACK]).features.zero_levels
     wanted = [0, 1] if uneven_replicas else [1, 2, 3]
     kept = [zero for zero in wanted if zero in levels]
     # A stack without ZeRO-1 (TorchTitan: DDP or FSDP2) keeps its plain data parallelism as the fast option.
