@@ -42,3 +42,7 @@ def check_before_search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
         require(model.experts % ep == 0, "--ep", ep, f"must divide the model's {model.experts} experts; valid: "
                                                      f"{', '.join(map(str, divisors(model.experts)))}")
         require(world % ep == 0, "--ep", ep, f"must divide the cluster's {world} devices")
+    etp = getattr(choices, "etp", None)
+    if etp is not None and etp > 1:  # the search does not enumerate expert tensor parallel yet (issue 26)
+        raise SpecError("--etp", etp, "the planner searches etp 1 only so far; give the layout to estimate or "
+                                      "train with --etp, or leave --etp out")
