@@ -38,6 +38,7 @@ class Choices:
     pp: int | None = None
     cp: int | None = None
     ep: int | None = None
+    etp: int | None = None  # expert tensor parallel; the search keeps 1 (only --etp 1 is accepted so far)
     micro_batch: int | None = None
     schedule: str | None = None
     virtual_stages: int | None = None
@@ -49,7 +50,7 @@ class Choices:
 
     def __post_init__(self) -> None:
         # A fixed choice of 0 or less is a mistake, never "search over it" (that is None).
-        for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "etp", "micro_batch", "virtual_stages"):
             value = getattr(self, name)
             if value is not None:
                 check_count(value, f"--{name.replace('_', '-')}")
