@@ -18,11 +18,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fivefold.cost.comm import GroupLink, all_gather_time, all_reduce_time, reduce_scatter_time
+from fivefold.cost.comm import SELF, GroupLink, all_gather_time, all_reduce_time, reduce_scatter_time
 from fivefold.cost.context import context_parallel_comm
 from fivefold.cost.compute import Device, elementwise_time, flash_attention_time, gemm_time
 from fivefold.cost.moe import split_by_layer_kind
-from fivefold.cost.moe_block import moe_mlp
+from fivefold.cost.moe_block import moe_mlp, moe_tokens
 from fivefold.cost.passwork import ZERO_PASS, PassCost, PassWork, fp8_linear
 
 __all__ = ["ZERO_PASS", "LayerShape", "PassCost", "embedding_cost", "head_cost", "layer_cost", "padded_vocab"]
@@ -44,6 +44,7 @@ class LayerShape:
     recompute: str
     expert_imbalance: float = 1.0  # busiest rank's expert rows / the mean (TrainSpec.expert_imbalance)
     cp_method: str = "allgather"  # allgather | ulysses (cost/context.py)
+    etp: int = 1  # expert tensor parallel (MoE parallel folding: cost/moe_block.py moe_tokens)
 
 
 def _tp_collectives(work: PassWork, num_bytes: float, link: GroupLink, sequence_parallel: bool,
@@ -77,14 +78,14 @@ def _tp_collectives(work: PassWork, num_bytes: float, link: GroupLink, sequence_
 
 
 def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link: GroupLink,
-               cp_link: GroupLink, ep_link: GroupLink) -> PassCost:
+               cp_link: GroupLink, ep_link: GroupLink, etp_link: GroupLink = SELF) -> PassCost:
     """One transformer block, one micro-batch, one rank; the average block of a model mixing dense and MoE
     layers (cost/moe.py)."""
     mixed = split_by_layer_kind(shape.model)
     if mixed is not None:
         moe, dense, share = mixed
-        costs = [layer_cost(dataclasses.replace(shape, model=model), device, stack, tp_link, cp_link, ep_link)
-                 for model in (moe, dense)]
+        costs = [layer_cost(dataclasses.replace(shape, model=model), device, stack, tp_link, cp_link, ep_link,
+                            etp_link) for model in (moe, dense)]
         return costs[0].scaled(share) + costs[1].scaled(1 - share)
     m, e, t = shape.model, device.element_bytes, shape.tp
     b, s_local = shape.micro_batch, shape.seq_len // shape.cp
@@ -149,10 +150,16 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
 
     # MLP block: norm, (router, dispatch), up/gate GEMM, activation, down GEMM, (combine), TP, residual.
     work.elementwise(device, 2 * norm_tokens * h * e, 3 * norm_tokens * h * e, 1, 2)
-    moe_split = 1 if stack.moe_replicated_over_tp else t  # how many ways tp splits the experts' width
-    if m.is_moe:  # router to combine, term by term (cost/moe_block.py)
-        up, down = moe_mlp(work, m, tokens, shape.ep, shape.expert_imbalance, moe_split, device, stack,
+    if m.is_moe:  # router to combine, term by term, over the folded expert groups (cost/moe_block.py)
+        routed_tokens, split = moe_tokens(tokens, t, shape.etp, shape.sequence_parallel, stack.moe_replicated_over_tp)
+        up, down = moe_mlp(work, m, routed_tokens, shape.ep, shape.expert_imbalance, split, device, stack,
                            ep_link)[1:]
+        if stack.moe_replicated_over_tp:
+            if tp_link.size > 1 and shape.sequence_parallel:  # the input gathered; the output's gradient gathered
+                gather = all_gather_time(hidden_bytes, tp_link)
+                work.collective("tp", gather, gather)
+        else:  # the etp group gathers its tokens and reduce-scatters the experts' partial sums (none at etp 1)
+            _tp_collectives(work, routed_tokens * h * e, etp_link, shape.sequence_parallel, stack, [up, down])
     else:
         matrices_in = 2 if m.mlp == "swiglu" else 1
         width = m.ffn_hidden // t
@@ -160,11 +167,6 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
         activation = (3 * e, 5 * e) if m.mlp == "swiglu" else (2 * e, 3 * e)
         work.elementwise(device, tokens * width * activation[0], tokens * width * activation[1])
         down = fp8_linear(work, device, stack, tokens, width, h, bias=bias)
-    if m.is_moe and stack.moe_replicated_over_tp:
-        if tp_link.size > 1 and shape.sequence_parallel:  # the input gathered; the output's gradient gathered
-            gather = all_gather_time(hidden_bytes, tp_link)
-            work.collective("tp", gather, gather)
-    else:
         _tp_collectives(work, hidden_bytes, tp_link, shape.sequence_parallel, stack, [up, down])
     work.elementwise(device, norm_tokens * h * residual, norm_tokens * h * (2 * e + 1 if dropout else e),
                      2 if dropout else 1, 1)

@@ -60,6 +60,18 @@ class MoEBlock(NamedTuple):
     down: tuple[float, float, float]
 
 
+def moe_tokens(tokens: int, tp: int, etp: int, sequence_parallel: bool, replicated: bool) -> tuple[int, int]:
+    """(tokens one rank routes, ways each expert's width is split) under MoE parallel folding (spec/folding.py):
+    with sequence parallelism a rank holds tokens / tp of its tp group's `tokens` and the etp group gathers
+    etp of those shards (etp = tp: the whole group's tokens, Megatron's default; etp = 1: its own shard, ep
+    spanning tp); without it every rank holds all of them. A stack that runs the whole block on every tp rank
+    (`replicated`) routes all the tokens of its tp group through unsplit experts."""
+    if replicated:
+        return tokens, 1
+    own = tokens // tp if sequence_parallel and tp > 1 else tokens
+    return (own * etp if sequence_parallel and tp > 1 else own), etp
+
+
 def _seconds(work: PassWork) -> float:
     return (work.forward + work.backward_input + work.backward_weight + work.host_wait
             + sum(work.forward_comm.values()) + sum(work.backward_comm.values()))

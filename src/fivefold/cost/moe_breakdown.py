@@ -9,7 +9,7 @@ from fivefold.cost.layer import LayerShape
 from fivefold.cost.layout import Layout, RankEnv, RankGroup
 from fivefold.cost.memory import RankMemory, moe_dispatched_bytes
 from fivefold.cost.moe import moe_share
-from fivefold.cost.moe_block import MoETerms, moe_mlp
+from fivefold.cost.moe_block import MoETerms, moe_mlp, moe_tokens
 from fivefold.cost.passwork import PassWork
 from fivefold.cost.results import Estimate
 from fivefold.cost.stack import SoftwareStack
@@ -17,9 +17,9 @@ from fivefold.cost.stack import SoftwareStack
 
 def moe_layer_terms(layout: Layout, env: RankEnv, stack: SoftwareStack) -> MoETerms:
     """The terms of one MoE block for one micro-batch on a rank like `env` (the same work layer_cost adds)."""
-    tokens = layout.micro_batch * layout.train.seq_len // layout.cp
-    tp_split = 1 if stack.moe_replicated_over_tp else layout.tp
-    return moe_mlp(PassWork(), layout.model, tokens, layout.ep, layout.train.expert_imbalance, tp_split,
+    tokens, split = moe_tokens(layout.micro_batch * layout.train.seq_len // layout.cp, layout.tp, layout.etp,
+                               layout.sequence_parallel, stack.moe_replicated_over_tp)
+    return moe_mlp(PassWork(), layout.model, tokens, layout.ep, layout.train.expert_imbalance, split,
                    env.device, stack, env.ep).terms
 
 
@@ -64,6 +64,6 @@ def with_moe_memory(memory: RankMemory, layout: Layout, group: RankGroup, elemen
         return memory
     shape = LayerShape(layout.model, layout.train.seq_len, layout.micro_batch, layout.tp, layout.cp, layout.ep,
                        layout.sequence_parallel, layout.recompute, layout.train.expert_imbalance,
-                       cp_method=layout.cp_method)
+                       cp_method=layout.cp_method, etp=layout.etp)
     per_micro_batch = group.layers * moe_share(layout.model) * moe_dispatched_bytes(shape, element_bytes)
     return dataclasses.replace(memory, moe_dispatched=memory.activations * per_micro_batch / group.activation)

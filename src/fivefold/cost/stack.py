@@ -32,12 +32,14 @@ class Features:
     fp8: bool = False  # FP8 GEMMs (Transformer Engine, torchao Float8)
     fp8_all_gather: bool = False  # ZeRO-3 / FSDP gathers the weights already cast to FP8
     gradient_accumulation: bool = True  # several micro-batches per replica without a pipeline
+    moe_folding: bool = True  # MoE parallel folding: ep over tp x cp x dp (may span tp) and expert tensor parallel
     built_on: str = ""  # the pieces, for `estimate --help`
 
     def describe(self) -> str:
         parts = [f"parallel {'/'.join(self.parallelisms)}", f"schedules {', '.join(self.schedules)}",
                  *([] if self.gradient_accumulation else ["no gradient accumulation without pp"]),
                  f"ZeRO {'/'.join(map(str, self.zero_levels))}",
+                 *(["MoE folding (ep over tp x cp x dp, etp)"] if self.moe_folding and "ep" in self.parallelisms else []),
                  f"CP {'/'.join(self.cp_methods)}" if "cp" in self.parallelisms else "no CP",
                  f"recompute {'/'.join(self.recompute)}",
                  ("FP8" + (" (FP8 all-gather)" if self.fp8_all_gather else "")) if self.fp8 else "no FP8"]
@@ -128,9 +130,10 @@ STACKS: dict[str, SoftwareStack] = {
     # GEMMs, distributed optimizer with overlapped gradient reduce and parameter gather.
     "megatron-core": SoftwareStack(
         name="megatron-core", overlap_tp_comm=True, unfused_cross_entropy=True,
-        features=Features(schedules=("1f1b", "interleaved-1f1b"), zero_levels=(0, 1),
+        features=Features(schedules=("1f1b", "interleaved-1f1b"), zero_levels=(0, 1, 3),
                           cp_methods=("allgather", "ulysses"), fp8=True,
-                          built_on="Megatron-Core + Transformer Engine, distributed optimizer")),
+                          built_on="Megatron-Core + Transformer Engine, distributed optimizer, Megatron-FSDP "
+                                   "(ZeRO-3), MoE parallel folding")),
     # Megatron-LM of 2021-22 (the vTrain measurements): no FlashAttention (scores materialized, fused
     # scale-mask-softmax), the "local" DDP all-reduces gradients after backward, blocking pipeline p2p,
     # and a Python-heavy layer with tensor-parallel RNG tracking and activation-checkpoint wrappers.
@@ -164,6 +167,7 @@ STACKS: dict[str, SoftwareStack] = {
                               pipeline_returns_outputs=False, tp_gathers_logits=True, moe_replicated_over_tp=True,
                               pipeline_defers_grad_sync=True, zero2_reshards_after_backward=True,
                               eager_host_costs=True, features=Features(
+                                  moe_folding=False,
                                   built_on="FSDP2, DTensor TP, torch.distributed.pipelining, own CP, eager")),
     # TorchTitan as benchmarked at the end of 2024 (benchmarks/llama3_h100_202412_torchtitan.md; its
     # schedules: GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble (zb-h1 here); no ZBV yet, and no
@@ -332,6 +336,10 @@ def unsupported_features(stack: SoftwareStack, plan: object) -> list[str]:
         out.append(f"CP method {method}")
     if plan.train.dtype == "fp8" and not features.fp8:  # type: ignore[attr-defined]
         out.append("FP8")
+    ep, etp = getattr(plan, "ep", 1), getattr(plan, "etp", 1)
+    if not features.moe_folding and "ep" in features.parallelisms and (
+            etp > 1 or (plan.dp * plan.cp) % ep):  # type: ignore[attr-defined]
+        out.append("MoE folding (etp > 1 or ep spanning tp)")
     return out
 
 

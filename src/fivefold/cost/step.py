@@ -49,8 +49,8 @@ from fivefold.cost.flops import hardware_flops_per_step, model_flops_per_step
 from fivefold.cost.host import (bookkeeping_time, ddp_on_cpu, split_backward_host, stack_on_profiled_cpu,
                                  with_host_costs)
 from fivefold.cost.layer import padded_vocab
-from fivefold.cost.layout import (Layout, LayerCosts, RankEnv, RankGroup, layer_costs, rank_envs, stage_owners,
-                                  stage_params)
+from fivefold.cost.layout import (Layout, LayerCosts, RankEnv, RankGroup, expert_inner, layer_costs, rank_envs,
+                                  stage_owners, stage_params)
 from fivefold.cost.memory import RankMemory, in_flight_chunks, zero_model_state_bytes
 from fivefold.cost.moe_breakdown import with_moe_parts
 from fivefold.cost.pipeline import PipelineTime, pipeline_time, walked_pipelines
@@ -156,7 +156,7 @@ def _rank_groups(layout: Layout, stack: SoftwareStack) -> _RankGroups:
     costed once.
     """
     topology = topology_of(layout.cluster)
-    envs = rank_envs(layout, topology)
+    envs = rank_envs(layout, topology, expert_inner(layout, stack))
     if envs[0].device.host is not None:  # CPU ranks profiled with host costs: the stack's CPU variant
         stack = stack_on_profiled_cpu(layout, stack)
     p = layout.pp
@@ -164,7 +164,7 @@ def _rank_groups(layout: Layout, stack: SoftwareStack) -> _RankGroups:
     tokens = layout.micro_batch * layout.train.seq_len // layout.cp
     activation_message = tokens * layout.model.hidden * e / layout.tp  # SP shard, or Megatron scatter-gather
     replica_shard = layout.dp * layout.cp
-    expert_shard = max(1, replica_shard // layout.ep)
+    expert_shard = envs[0].expert_replicas.size  # edp: ranks holding the same expert slice (folding)
     dropout = stack.uses_dropout(layout.model)
     embedding_activation = tokens * layout.model.hidden * (e + (1 if dropout else 0)) / (
         layout.tp if layout.sequence_parallel else 1)  # the embedding output (and dropout mask) fed to layer 1

@@ -38,7 +38,7 @@ class Choices:
     pp: int | None = None
     cp: int | None = None
     ep: int | None = None
-    etp: int | None = None  # expert tensor parallel; the search keeps 1 (only --etp 1 is accepted so far)
+    etp: int | None = None  # expert tensor parallel (MoE parallel folding); the search tries 1 and tp
     micro_batch: int | None = None
     schedule: str | None = None
     virtual_stages: int | None = None
@@ -105,14 +105,30 @@ def degree_options(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                     continue
                 if train.global_batch % dp:
                     continue
-                if model.is_moe and "ep" in can:
-                    experts_options = [ep for ep in divisors(dp * cp) if model.experts % ep == 0]
+                if model.is_moe and "ep" in can:  # folding: ep over tp x cp x dp (spanning tp), else dp x cp
+                    folds = stack is not None and stack.features.moe_folding or stack is None
+                    experts_options = [ep for ep in divisors(dp * cp * tp if folds else dp * cp)
+                                       if model.experts % ep == 0 and etp_options(model, tp, cp, dp, ep, choices,
+                                                                                   stack)]
                 else:
                     experts_options = [1]
                 for ep in experts_options:
                     if _allowed(ep, choices.ep):
                         out.append((dp, tp, pp, cp, ep))
     return out
+
+
+def etp_options(model: ModelSpec, tp: int, cp: int, dp: int, ep: int, choices: Choices,
+                stack: SoftwareStack | None = None) -> list[int]:
+    """Expert tensor-parallel degrees for these degrees: the fixed --etp, else 1 (whole experts, ep may span tp)
+    and tp (Megatron-Core's default: experts split like the MLP), those that fold (ep x etp divides
+    tp x cp x dp, etp divides the expert width). A stack without folding runs etp 1 only."""
+    if not model.is_moe:
+        return [1]
+    folds = stack is None or stack.features.moe_folding
+    wanted = [choices.etp] if choices.etp is not None else sorted({1, tp}) if folds else [1]
+    return [etp for etp in wanted if (tp * cp * dp) % (ep * etp) == 0 and model.expert_ffn_hidden % etp == 0
+            and (folds or etp == 1)]
 
 
 def micro_batch_options(train: TrainSpec, dp: int, choices: Choices, pp: int = 1,
