@@ -154,3 +154,43 @@ def credibility_tables(vtrain: list[dict], bubble: list[dict], core: list[dict],
 
 
 _SCHEDULE_ORDER = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"]
+
+
+MOE_RECOMPUTE = {"none": "none", "norm+act": "none", "full": "full"}  # module recompute of norm/act: ~free
+
+
+def megatron_moe_plan(row: dict) -> Plan:
+    """A Megatron-Core MoE row (bench/reference/megatron_moe_h100.csv) as a Plan: the distributed optimizer
+    (ZeRO-1) or Megatron-FSDP (ZeRO-3), interleaved when vpp > 1, sequence parallel with tp; the recompute of
+    layernorm and the MoE activation only is costed as none (it repeats element-wise work of ~1% of a layer)."""
+    gpus, seq = int(row["gpus"]), int(row["seq_len"])
+    tp, cp, ep, pp, etp, vpp, dp = (int(row[k]) for k in ("tp", "cp", "ep", "pp", "etp", "vpp", "dp"))
+    model = replace(PRESETS[row["model"]], max_seq_len=max(seq, PRESETS[row["model"]].max_seq_len))
+    return Plan(model=model, cluster=parse_cluster(f"{gpus // 8}x8xH100-SXM"),
+                train=TrainSpec(seq_len=seq, global_batch=int(row["global_batch"]), dtype="bf16"),
+                dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, zero=3 if row["fsdp"] == "yes" else 1,
+                micro_batch=int(row["micro_batch"]), schedule="interleaved-1f1b" if vpp > 1 else "1f1b",
+                virtual_stages=vpp, recompute=MOE_RECOMPUTE[row["recompute"]], sequence_parallel=tp > 1)
+
+
+def megatron_moe_rows(path: Path) -> list[dict]:
+    """Measured and predicted tokens/s per GPU of the Megatron-Core MoE rows (megatron-core stack); a row that
+    a Plan cannot express, or that ran what the model does not cost (its note), has `predicted` None or
+    `modelled` False."""
+    out = []
+    stack = STACKS["megatron-core"]
+    with open(path) as handle:
+        for row in csv.DictReader(handle):
+            measured = int(row["global_batch"]) * int(row["seq_len"]) / float(row["step_time_s"]) / int(row["gpus"])
+            try:
+                plan = megatron_moe_plan(row)
+            except FivefoldError as exc:
+                out.append({**row, "measured": measured, "predicted": None, "modelled": False,
+                            "layout": str(exc).split(":")[0]})
+                continue
+            result = estimate(plan, replace(stack, moe_dispatch_per_node=row["dispatcher"] == "deepep"))
+            out.append({**row, "plan": plan, "layout": plan.describe(), "measured": measured,
+                        "predicted": result.tokens_per_s / plan.world_size, "mfu": result.mfu, "fits": result.fits,
+                        "measured_mfu": result.mfu * measured * plan.world_size / result.tokens_per_s,
+                        "modelled": not row["note"] or row["note"] == "Megatron-FSDP"})
+    return out

@@ -101,3 +101,22 @@ def test_dispatched_token_memory_grows_with_the_busiest_ranks_load():
     assert skewed.moe_dispatched == pytest.approx(1.5 * balanced.moe_dispatched, rel=1e-3)
     assert skewed.activations - balanced.activations == pytest.approx(
         skewed.moe_dispatched - balanced.moe_dispatched, rel=0.05)
+
+
+def test_per_node_dispatch_sends_one_network_copy_per_destination_node() -> None:
+    from fivefold.cost.moe_block import dispatch_time
+
+    cluster = parse_cluster("4x8xH100-SXM")
+    plan = Plan(model=QWEN, cluster=cluster, train=TrainSpec(seq_len=4096, global_batch=64), dp=32, ep=32)
+    layout = Layout.of_plan(plan)
+    link = rank_envs(layout, topology_of(cluster))[0].ep
+    assert link.nodes == 4 and link.size == 32
+    copies = 4096 * 8 * QWEN.hidden * 2
+    # top-8 experts over 4 nodes: 4 (1 - (3/4)^8) = 3.60 distinct nodes, 3/4 of them remote = 2.70 network
+    # copies per token instead of 6 (8 x 3/4); NVLink carries every copy once.
+    remote = 4 * (1 - 0.75 ** 8) * 0.75
+    expected = 31 * link.latency + max(31 / 32 * copies / link.intra_bandwidth,
+                                       copies / 8 * remote / link.network_bandwidth)
+    assert dispatch_time(4096, QWEN, 2, 1.0, link, True) == pytest.approx(expected, rel=1e-9)
+    assert dispatch_time(4096, QWEN, 2, 1.0, link, False) == pytest.approx(all_to_all_time(copies, link))
+    assert dispatch_time(4096, QWEN, 2, 1.0, link, True) < 0.6 * dispatch_time(4096, QWEN, 2, 1.0, link, False)

@@ -72,6 +72,22 @@ def moe_tokens(tokens: int, tp: int, etp: int, sequence_parallel: bool, replicat
     return (own * etp if sequence_parallel and tp > 1 else own), etp
 
 
+def dispatch_time(tokens: int, model: ModelSpec, element_bytes: int, imbalance: float, link: GroupLink,
+                  per_node: bool) -> float:
+    """One dispatch (or combine) of `tokens` x top_k copies over the ep group. `per_node` (DeepEP's normal
+    kernels; DeepSeek-V3 report, sec. 3.2.2): a token crosses the network once per destination node, then is
+    forwarded over NVLink to its experts there; with experts spread evenly over the group's nodes a token's
+    top_k experts fall on n (1 - (1 - 1/n)^k) distinct nodes, (n - 1)/n of them remote."""
+    copies = all_to_all_bytes(tokens, model, element_bytes, imbalance)
+    if not per_node or link.nodes <= 1:
+        return all_to_all_time(copies, link)
+    n, k = link.nodes, model.top_k
+    remote_nodes = n * (1 - (1 - 1 / n) ** k) * (n - 1) / n
+    inside = (link.size - 1) / link.size * copies / link.intra_bandwidth
+    outside = copies / k * remote_nodes / link.network_bandwidth
+    return (link.size - 1) * link.latency + max(inside, outside)
+
+
 def _seconds(work: PassWork) -> float:
     return (work.forward + work.backward_input + work.backward_weight + work.host_wait
             + sum(work.forward_comm.values()) + sum(work.backward_comm.values()))
@@ -107,7 +123,7 @@ def moe_mlp(work: PassWork, model: ModelSpec, tokens: int, ep: int, imbalance: f
     mark()
     if ep_link.size > 1:
         counts = all_to_all_time(m.experts * 8.0, ep_link)
-        dispatch = all_to_all_time(all_to_all_bytes(tokens, m, e, imbalance), ep_link)
+        dispatch = dispatch_time(tokens, m, e, imbalance, ep_link, stack.moe_dispatch_per_node)
         work.collective("ep", counts + 2 * dispatch, 2 * dispatch)
     mark()
     matrices_in = 2 if m.mlp == "swiglu" else 1

@@ -108,6 +108,8 @@ class SoftwareStack:
     moe_replicated_over_tp: bool = False  # every tp rank runs the whole MoE block (experts unsplit; with SP its
     #                                       input gathered over tp, its output cut back: runtime/expert_parallel.py)
     moe_dispatch_syncs_host: bool = True  # MoE dispatch copies token counts to the host first (cost/moe_block.py)
+    moe_dispatch_per_node: bool = False  # DeepEP: one network copy of a token per destination node, forwarded
+    #                                      over NVLink to its experts there (cost/moe_block.py dispatch_time)
     features: Features = Features()  # what the software can run at all
 
     def uses_dropout(self, model: ModelSpec) -> bool:
