@@ -58,6 +58,17 @@ ERROR_BANDS: dict[tuple[str, str], float] = {
     ("megatron-lm-2022", "A100"): 0.16, ("megatron-core", "H100"): 0.14, ("torchtitan", "H100"): 0.23,
     ("fivefold", "H100"): 0.23,
 }
+# Best measured MFU of MoE training per device class and expert granularity (model FLOPs over the BF16 peak):
+# coarse = 16 experts or fewer, fine = more. Liu et al. 2025, "MoE Parallel Folding" (arXiv 2504.14960),
+# abstract: 49.3% for Mixtral 8x22B and 39.0% for Qwen2-57B-A14B on H100 with Megatron-Core. The planner's best
+# MoE plan stays at or below these plus 5 points (tests/test_credibility_moe.py).
+MOE_BEST_MEASURED_MFU: dict[str, dict[str, float]] = {"H100": {"coarse": 0.493, "fine": 0.390}}
+
+
+def moe_granularity(experts: int) -> str:
+    return "coarse" if experts <= 16 else "fine"
+
+
 # A stack or device class without measured rows still gets a band: twice the widest measured one.
 UNMEASURED_BAND = 2 * max(ERROR_BANDS.values())
 
