@@ -23,7 +23,7 @@ from fivefold.cost.context import context_parallel_comm
 from fivefold.cost.compute import Device, elementwise_time, flash_attention_time, gemm_time
 from fivefold.cost.moe import split_by_layer_kind
 from fivefold.cost.moe_block import moe_mlp, moe_tokens
-from fivefold.cost.passwork import ZERO_PASS, PassCost, PassWork, fp8_linear
+from fivefold.cost.passwork import ZERO_PASS, PassCost, PassWork, fp8_linear, mlp
 
 __all__ = ["ZERO_PASS", "LayerShape", "PassCost", "embedding_cost", "head_cost", "layer_cost", "padded_vocab"]
 from fivefold.cost.stack import SoftwareStack, eager_ops
@@ -161,12 +161,7 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
         else:  # the etp group gathers its tokens and reduce-scatters the experts' partial sums (none at etp 1)
             _tp_collectives(work, routed_tokens * h * e, etp_link, shape.sequence_parallel, stack, [up, down])
     else:
-        matrices_in = 2 if m.mlp == "swiglu" else 1
-        width = m.ffn_hidden // t
-        up = fp8_linear(work, device, stack, tokens, h, matrices_in * width, bias=bias)
-        activation = (3 * e, 5 * e) if m.mlp == "swiglu" else (2 * e, 3 * e)
-        work.elementwise(device, tokens * width * activation[0], tokens * width * activation[1])
-        down = fp8_linear(work, device, stack, tokens, width, h, bias=bias)
+        up, down = mlp(work, device, stack, tokens, h, m.ffn_hidden // t, m.mlp == "swiglu", bias=bias)
         _tp_collectives(work, hidden_bytes, tp_link, shape.sequence_parallel, stack, [up, down])
     work.elementwise(device, norm_tokens * h * residual, norm_tokens * h * (2 * e + 1 if dropout else e),
                      2 if dropout else 1, 1)

@@ -30,7 +30,7 @@ from typing import NamedTuple
 from fivefold.cost.comm import GroupLink, all_to_all_time
 from fivefold.cost.compute import Device
 from fivefold.cost.moe import all_to_all_bytes, moe_block_ops, routed_rows
-from fivefold.cost.passwork import PassWork, fp8_linear
+from fivefold.cost.passwork import PassWork, mlp
 from fivefold.cost.stack import SoftwareStack
 from fivefold.spec.model import ModelSpec
 
@@ -126,18 +126,11 @@ def moe_mlp(work: PassWork, model: ModelSpec, tokens: int, ep: int, imbalance: f
         dispatch = dispatch_time(tokens, m, e, imbalance, ep_link, stack.moe_dispatch_per_node)
         work.collective("ep", counts + 2 * dispatch, 2 * dispatch)
     mark()
-    matrices_in = 2 if m.mlp == "swiglu" else 1
-    width = m.expert_ffn_hidden // tp_split
-    up = fp8_linear(work, device, stack, per_expert, h, matrices_in * width, batch=local_experts)
-    activation = (3 * e, 5 * e) if m.mlp == "swiglu" else (2 * e, 3 * e)
-    work.elementwise(device, busiest * width * activation[0], busiest * width * activation[1])
-    down = fp8_linear(work, device, stack, per_expert, width, h, batch=local_experts)
+    swiglu = m.mlp == "swiglu"
+    up, down = mlp(work, device, stack, per_expert, h, m.expert_ffn_hidden // tp_split, swiglu, local_experts)
     mark()
     if m.shared_experts:
-        shared = m.shared_experts * m.expert_ffn_hidden // tp_split
-        fp8_linear(work, device, stack, tokens, h, matrices_in * shared)
-        fp8_linear(work, device, stack, tokens, shared, h)
-        work.elementwise(device, tokens * shared * activation[0], tokens * shared * activation[1])
+        mlp(work, device, stack, tokens, h, m.shared_experts * m.expert_ffn_hidden // tp_split, swiglu)
     mark()
     # Launches: the dense MLP's (up, activation, down; five backward) plus what the eager MoE block adds.
     extra_forward, extra_backward = moe_block_ops(m, local_experts)

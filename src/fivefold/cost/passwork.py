@@ -132,3 +132,14 @@ def fp8_linear(work: PassWork, device: Device, stack: SoftwareStack, tokens: int
     return times
 
 
+
+
+def mlp(work: PassWork, device: Device, stack: SoftwareStack, rows: int, hidden: int, width: int, swiglu: bool,
+        batch: int = 1, bias: bool = False) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """An MLP on `rows` tokens (`batch` of them side by side: experts as one grouped GEMM): the up (and gate)
+    projection, the activation (SwiGLU's product or GeLU) and the down projection; (up, down) GEMM times."""
+    e = device.element_bytes
+    up = fp8_linear(work, device, stack, rows, hidden, (2 if swiglu else 1) * width, batch, bias)
+    forward, backward = (3 * e, 5 * e) if swiglu else (2 * e, 3 * e)
+    work.elementwise(device, rows * batch * width * forward, rows * batch * width * backward)
+    return up, fp8_linear(work, device, stack, rows, width, hidden, batch, bias)
