@@ -24,8 +24,9 @@ def kernel_errors(reference: Path) -> dict[str, list[float]]:
     """Relative errors of the op model (benchmark clocks) on every row of each kernel table."""
     h100 = CATALOG["H100-SXM"]
     bf16, fp8 = benchmark_device(h100, "bf16"), benchmark_device(h100, "fp8")
-    out = {"OpenXLA sm_90 BF16 GEMMs": [gemm_tflops(bf16, int(r["m"]), int(r["n"]), int(r["k"])) / float(r["tflops"]) - 1
-                                       for r in _csv(reference / "xla_h100_bf16_gemm.csv")],
+    out = {"OpenXLA sm_90 BF16 GEMMs": [
+               gemm_tflops(bf16, int(r["m"]), int(r["n"]), int(r["k"])) / float(r["tflops"]) - 1
+               for r in _csv(reference / "xla_h100_bf16_gemm.csv")],
            "DeepGEMM FP8 GEMMs (dense and grouped)": [
                gemm_tflops(fp8, int(r["m"]), int(r["n"]), int(r["k"]), int(r["groups"]), True) / float(r["tflops"]) - 1
                for r in _csv(reference / "deepgemm_h800_fp8.csv")]}
@@ -47,8 +48,9 @@ def moe_lines(rows: list[dict]) -> list[str]:
         if row["predicted"] is None:
             out.append(f"megatron-moe {row['model']} {row['note']}: not modelled ({row['layout']})")
             continue
+        error = row["predicted"] / row["measured"] - 1
         out.append(f"megatron-moe {row['model']} {row['dispatcher']:<8} {row['layout']:<58} tokens/s/GPU measured "
-                   f"{row['measured']:6.0f} predicted {row['predicted']:6.0f} ({row['predicted'] / row['measured'] - 1:+.0%})"
+                   f"{row['measured']:6.0f} predicted {row['predicted']:6.0f} ({error:+.0%})"
                    + ("" if row["modelled"] else f"  [{row['note']}]"))
     return out
 
