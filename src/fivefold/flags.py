@@ -39,7 +39,8 @@ def add_layout_flags(parser: argparse.ArgumentParser, for_search: bool = False) 
     group = parser.add_argument_group("layout" + (" (each one given fixes that choice in the search)"
                                                   if for_search else ""))
     for dim, text in (("dp", "data-parallel"), ("tp", "tensor-parallel"), ("pp", "pipeline-parallel"),
-                      ("cp", "context-parallel"), ("ep", "expert-parallel")):
+                      ("cp", "context-parallel"), ("ep", "expert-parallel (MoE; folded over tp x cp x dp)"),
+                      ("etp", "expert tensor-parallel (MoE: each expert's matrices split over this many ranks)")):
         default_text = "" if for_search else (" (default: world / (tp*pp*cp))" if dim == "dp" else " (default: 1)")
         group.add_argument(f"--{dim}", type=int, default=None, help=f"{text} degree{default_text}")
     group.add_argument("--cp-method", choices=["allgather", "ulysses"], default=None,
@@ -62,17 +63,17 @@ def add_layout_flags(parser: argparse.ArgumentParser, for_search: bool = False) 
 
 
 def add_stack_flag(parser: argparse.ArgumentParser) -> None:
-    from fivefold.cost.stack import stack_help
+    from fivefold.cost.stack import DEFAULT_STACK, stack_help
 
-    parser.add_argument("--stack", default="modern", help="software the cost model assumes, and what it can run "
-                        "(default: modern). " + stack_help())
+    parser.add_argument("--stack", default=DEFAULT_STACK, help="software the cost model assumes, and what it can run "
+                        "(default: fivefold, what `fivefold train` runs). " + stack_help())
 
 
 def add_json_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
 
 
-LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "cp_method", "ep", "zero", "micro_batch", "schedule", "virtual_stages",
+LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "cp_method", "ep", "etp", "zero", "micro_batch", "schedule", "virtual_stages",
                 "recompute", "sequence_parallel")
 
 

@@ -20,7 +20,7 @@ from fivefold.spec import ModelSpec, Plan
 
 TRAIN_STATE = "train_state"  # key of the run's state in fivefold.json "extra"
 # Plan fields whose change a resume reports (all of them may change: weights and optimizer reshard).
-LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "schedule", "virtual_stages",
+LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "etp", "zero", "micro_batch", "schedule", "virtual_stages",
                  "layers_per_stage", "recompute", "sequence_parallel")
 
 
