@@ -175,5 +175,14 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", action="store_true", help="record a per-rank timeline for `fivefold report`")
     p.add_argument("--metrics-every", type=int, default=10, help="gather per-rank memory and times every N steps "
                    "(and on the first, last, bad and straggler-suspect steps; default: 10)")
+    p.add_argument("--lr-schedule", default="cosine", help="learning rate after the warmup: cosine, wsd "
+                   "(warmup-stable-decay), linear or constant (default: cosine)")
+    p.add_argument("--min-lr", type=float, default=None, help="where the decay ends (default: 10%% of --lr)")
+    p.add_argument("--decay-steps", type=int, default=None,
+                   help="wsd: the last steps that decay to --min-lr (default: 20%% of the steps after warmup)")
+    p.add_argument("--weight-decay", type=float, default=0.1,
+                   help="AdamW weight decay of matrices; none on norms and biases (default: 0.1)")
+    p.add_argument("--betas", default="0.9,0.95", help="AdamW betas (default: 0.9,0.95)")
+    p.add_argument("--eps", type=float, default=1e-8, help="AdamW epsilon (default: 1e-8)")
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (CPU: inductor "
                    "needs a C compiler; the first steps pay the compile time)")

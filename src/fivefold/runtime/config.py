@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from fivefold.errors import SpecError, require
+from fivefold.runtime.schedule import check_optimizer_flags, lr_at, optimizer_record
 from fivefold.spec import Plan, plan_from_dict
 
 
@@ -53,6 +54,12 @@ class RunConfig:
     progress_file: str | None = None  # rank 0 writes the last finished step here (the launcher's interrupt line)
     metrics_every: int = 10  # gather per-rank metrics every N steps (runtime/bookkeeping.py)
     compile: bool = False  # torch.compile each transformer block (runtime/parallelize.py apply_compile)
+    lr_schedule: str = "cosine"  # cosine | wsd | linear | constant, after the warmup (runtime/schedule.py)
+    min_lr: float | None = None  # where the decay ends; None = 10% of --lr
+    decay_steps: int | None = None  # WSD: the last steps that decay to min_lr; None = 20% of the steps
+    weight_decay: float = 0.1  # AdamW decoupled weight decay of matrices (none on norms and biases)
+    betas: str = "0.9,0.95"  # AdamW betas, two numbers (GPT-3 / Llama)
+    eps: float = 1e-8  # AdamW epsilon
 
     # Filled in by the launcher or the caller, never given as a `train` flag.
     DERIVED = frozenset({"plan_toml", "show_progress", "progress_to_stderr", "checkpoint_async", "resume_from",
@@ -103,6 +110,8 @@ class RunConfig:
         require(self.steps >= 1, "--steps", self.steps, "must be at least 1")
         require(self.metrics_every >= 1, "--metrics-every", self.metrics_every, "must be at least 1 step")
         self.validate_numbers()
+        check_optimizer_flags(self.lr, self.steps, self.warmup_steps, self.lr_schedule, self.min_lr,
+                              self.decay_steps, self.weight_decay, self.betas, self.eps)
         self.validate_paths()
 
     def validate_numbers(self) -> None:
@@ -118,6 +127,15 @@ class RunConfig:
                 "must be a finite factor above 1, or 0 to disable")
         require(math.isfinite(self.straggler_factor), "--straggler-factor", self.straggler_factor,
                 "must be a finite factor above 1, or 0 to disable")
+
+    def optimizer_record(self) -> dict[str, Any]:
+        """The optimizer and schedule settings a checkpoint records and a resume must repeat."""
+        return optimizer_record(self.lr_schedule, self.min_lr, self.decay_steps, self.weight_decay, self.betas,
+                                self.eps)
+
+    def lr_of_step(self, step: int) -> float:
+        """The learning rate of 0-based optimizer step `step`."""
+        return lr_at(step, self.lr, self.warmup_steps, self.steps, self.lr_schedule, self.min_lr, self.decay_steps)
 
     def validate_paths(self) -> None:
         """Output paths of the right kind in a writable place; nothing is created here."""

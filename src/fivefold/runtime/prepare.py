@@ -53,7 +53,8 @@ def prepare_run(plan: Plan, config: RunConfig, *, nproc: int | None, plan_file: 
             say(line)
     check_runnable(plan, world, device, gpus, local_nproc)
     check_data(plan, config.data, config.tokenizer)
-    resume_from = resume_checkpoint(plan, config.checkpoint_dir, config.resume, config.seed, config.steps, warn=warn)
+    resume_from = resume_checkpoint(plan, config.checkpoint_dir, config.resume, config.seed, config.steps, warn=warn,
+                                    optimizer=config.optimizer_record())
     run_dir, plan_file = prepare_run_dir(plan, config, plan_file, is_rank0)
     worker_flags = config.to_flags()
     config = dataclasses.replace(config, plan_toml=plan.to_toml(), device=device, run_dir=run_dir,

@@ -40,7 +40,8 @@ from fivefold.runtime.knobs import NO_KNOBS, FaultKnobs
 from fivefold.runtime.mesh import Mesh, build_mesh, init_distributed, pick_device
 from fivefold.runtime.metrics import MetricsFile, Progress, StepMeter, summarize
 from fivefold.runtime.bookkeeping import gathers_metrics, reduce_step_totals
-from fivefold.runtime.optim import build_optimizer, clip_to_norm, local_grad_norm_squared, lr_at, set_lr
+from fivefold.runtime.optim import build_optimizer, clip_to_norm, local_grad_norm_squared, set_lr
+from fivefold.runtime.schedule import parse_betas
 from fivefold.runtime.parallelize import (apply_activation_checkpointing, apply_compile, apply_data_parallel,
                                           apply_tensor_parallel, finish_gradient_sync, set_gradient_sync,
                                           uses_ddp, wrap_ddp)
@@ -185,7 +186,7 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
     parts = build_model_parts(plan, mesh, config.seed, param_dtype, knobs, config.compile,
                               cpu_overlap=device.type == "cpu")
     params = [p for part in parts.values() for p in part.parameters()]
-    optimizer = build_optimizer(params, config.lr)
+    optimizer = build_optimizer(params, config.lr, config.weight_decay, parse_betas(config.betas), config.eps)
     loader = make_loader(config, plan)
     loss_fn = knobs.loss(TokenCrossEntropy(plan.train.global_batch * plan.train.seq_len), loader,
                          plan.train.global_batch)
@@ -217,7 +218,7 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
         knobs.step_started(step + 1, mesh.rank, restart)
         position = elastic.begin_step(step + 1, loader)
         tracer.begin_step(step + 1)
-        lr = lr_at(step, config.lr, config.warmup_steps, config.steps)
+        lr = config.lr_of_step(step)
         set_lr(optimizer, lr)
         batch = loader.next_batch()[rows].to(device, non_blocking=True)
 
