@@ -140,7 +140,11 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of weights and data order (default: 0)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
     p.add_argument("--warmup-steps", type=int, default=2, help="linear warmup steps (default: 2)")
-    p.add_argument("--data", default=None, help="token file (.bin/.npy) or text file; default: built-in corpus")
+    p.add_argument("--data", default=None, help="token file (.bin/.npy) or folder of shards, .txt, .jsonl or "
+                   ".parquet file or folder, a `datasets` save_to_disk folder, or a blend 0.7:web/,0.3:code.jsonl "
+                   "(docs/data.md); default: built-in corpus")
+    p.add_argument("--text-field", default="text", help="the column holding the text in JSONL, Parquet and "
+                   "`datasets` rows (default: text)")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer.json; default: byte-level")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: auto")
     p.add_argument("--nproc", type=int, default=None, help="worker processes (default: the plan's world size)")

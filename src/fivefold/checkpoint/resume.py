@@ -16,7 +16,6 @@ from pathlib import Path
 from fivefold.checkpoint.layout import (INFO_FILE, STEP_RE, CheckpointWarning, newest_checkpoint, read_checkpoint_info,
                                         set_aside_corrupted)
 from fivefold.errors import SpecError, require
-from fivefold.runtime.schedule import optimizer_mismatch
 from fivefold.spec import ModelSpec, Plan
 
 TRAIN_STATE = "train_state"  # key of the run's state in fivefold.json "extra"
@@ -92,7 +91,9 @@ def check_resumable(path: Path, plan: Plan, seed: int, steps: int, optimizer: di
     require(loader["seq_len"] == plan.train.seq_len, "--seq-len", plan.train.seq_len,
             f"the checkpoint was trained with seq_len {loader['seq_len']}; resume with --seq-len {loader['seq_len']}")
     saved_optimizer = state.get("optimizer") or {}
-    field = optimizer_mismatch(saved_optimizer, optimizer or {})
+    # Fields a checkpoint does not record (written before they existed) are not compared.
+    field = next((name for name, value in (optimizer or {}).items()
+                  if name in saved_optimizer and saved_optimizer[name] != value), None)
     if field is not None:
         def shown(value):
             return "the default" if value is None else ",".join(f"{b:g}" for b in value) if field == "betas" \

@@ -32,6 +32,7 @@ class RunConfig:
     grad_clip: float = 1.0  # max global gradient norm
     data: str | None = None  # token file (.bin/.npy) or text file; None = the built-in corpus
     tokenizer: str | None = None  # HF tokenizer.json for text data; None = bytes
+    text_field: str = "text"  # the column of JSONL / Parquet / `datasets` rows that holds the text
     device: str = "auto"  # cpu | cuda | auto
     metrics_file: str | None = None  # JSON lines, written by rank 0
     tensorboard: str | None = None  # folder of TensorBoard event files (per-step scalars), written by rank 0

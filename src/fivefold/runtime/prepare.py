@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from fivefold.data import write_data_caches
 from fivefold.runtime.config import RunConfig
 from fivefold.runtime.launch import check_data, check_runnable, prepare_run_dir, resolve_device, torchrun_world
 from fivefold.spec import Plan
@@ -52,9 +53,10 @@ def prepare_run(plan: Plan, config: RunConfig, *, nproc: int | None, plan_file: 
         if is_rank0:
             say(line)
     check_runnable(plan, world, device, gpus, local_nproc)
-    check_data(plan, config.data, config.tokenizer)
+    data = check_data(plan, config.data, config.tokenizer, config.text_field)
     resume_from = resume_checkpoint(plan, config.checkpoint_dir, config.resume, config.seed, config.steps, warn=warn,
                                     optimizer=config.optimizer_record())
+    write_data_caches(data)  # only now: a refused command writes nothing
     run_dir, plan_file = prepare_run_dir(plan, config, plan_file, is_rank0)
     worker_flags = config.to_flags()
     config = dataclasses.replace(config, plan_toml=plan.to_toml(), device=device, run_dir=run_dir,

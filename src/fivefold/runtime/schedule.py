@@ -94,12 +94,3 @@ def optimizer_record(schedule: str, min_lr: float | None, decay_steps: int | Non
     decay_steps stay null when they follow --lr and --steps, which a resume may change (e.g. more steps)."""
     return {"lr_schedule": schedule, "min_lr": min_lr, "decay_steps": decay_steps, "weight_decay": weight_decay,
             "betas": list(parse_betas(betas)), "eps": eps}
-
-
-def optimizer_mismatch(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
-    """The first recorded field whose value differs between a checkpoint and this run, or None. Fields a
-    checkpoint does not record (written before they existed) are not compared."""
-    for name, value in now.items():
-        if name in saved and saved[name] != value:
-            return name
-    return None

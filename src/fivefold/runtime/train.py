@@ -107,9 +107,9 @@ def replica_rows(plan: Plan, dp_rank: int) -> slice:
 
 
 def make_loader(config: RunConfig, plan: Plan) -> GlobalBatchLoader:
-    from fivefold.data import load_tokenizer, open_dataset
+    from fivefold.data import load_tokenizer, open_data
 
-    dataset = open_dataset(config.data, load_tokenizer(config.tokenizer))
+    dataset = open_data(config.data, load_tokenizer(config.tokenizer), config.text_field)
     return GlobalBatchLoader(dataset, seq_len=plan.train.seq_len, global_batch=plan.train.global_batch,
                              seed=config.seed)
 
