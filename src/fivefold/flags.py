@@ -145,6 +145,12 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    "(docs/data.md); default: built-in corpus")
     p.add_argument("--text-field", default="text", help="the column holding the text in JSONL, Parquet and "
                    "`datasets` rows (default: text)")
+    p.add_argument("--eval-data", default=None, help="validation data (any --data form): eval_loss and "
+                   "eval_perplexity in the metrics (default: none)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="evaluate every N steps and after the last (default: 0, only after the last)")
+    p.add_argument("--eval-batches", type=int, default=4,
+                   help="global batches per evaluation, the same ones every time (default: 4)")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer.json; default: byte-level")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: auto")
     p.add_argument("--nproc", type=int, default=None, help="worker processes (default: the plan's world size)")

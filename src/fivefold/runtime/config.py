@@ -33,6 +33,9 @@ class RunConfig:
     data: str | None = None  # token file (.bin/.npy) or text file; None = the built-in corpus
     tokenizer: str | None = None  # HF tokenizer.json for text data; None = bytes
     text_field: str = "text"  # the column of JSONL / Parquet / `datasets` rows that holds the text
+    eval_data: str | None = None  # validation data, any --data form; None = no evaluation
+    eval_every: int = 0  # evaluate every N steps (and after the last); 0 = only after the last step
+    eval_batches: int = 4  # global batches per evaluation (the same ones every time, under every plan)
     device: str = "auto"  # cpu | cuda | auto
     metrics_file: str | None = None  # JSON lines, written by rank 0
     tensorboard: str | None = None  # folder of TensorBoard event files (per-step scalars), written by rank 0
@@ -110,6 +113,7 @@ class RunConfig:
                 "must be at least 1 step")
         require(self.steps >= 1, "--steps", self.steps, "must be at least 1")
         require(self.metrics_every >= 1, "--metrics-every", self.metrics_every, "must be at least 1 step")
+        self.validate_eval()
         self.validate_numbers()
         check_optimizer_flags(self.lr, self.steps, self.warmup_steps, self.lr_schedule, self.min_lr,
                               self.decay_steps, self.weight_decay, self.betas, self.eps)
@@ -128,6 +132,16 @@ class RunConfig:
                 "must be a finite factor above 1, or 0 to disable")
         require(math.isfinite(self.straggler_factor), "--straggler-factor", self.straggler_factor,
                 "must be a finite factor above 1, or 0 to disable")
+
+    def validate_eval(self) -> None:
+        """--eval-every / --eval-batches: counts, and only with --eval-data."""
+        require(self.eval_every >= 0, "--eval-every", self.eval_every,
+                "must be 0 (only after the last step) or a positive step count")
+        require(self.eval_batches >= 1, "--eval-batches", self.eval_batches, "must be at least 1 global batch")
+        if not self.eval_data:
+            require(self.eval_every == 0, "--eval-every", self.eval_every, "needs --eval-data (validation data)")
+            require(self.eval_batches == 4, "--eval-batches", self.eval_batches,
+                    "needs --eval-data (validation data)")
 
     def optimizer_record(self) -> dict[str, Any]:
         """The optimizer and schedule settings a checkpoint records and a resume must repeat."""

@@ -54,9 +54,13 @@ def prepare_run(plan: Plan, config: RunConfig, *, nproc: int | None, plan_file: 
             say(line)
     check_runnable(plan, world, device, gpus, local_nproc)
     data = check_data(plan, config.data, config.tokenizer, config.text_field)
+    eval_data = check_data(plan, config.eval_data, config.tokenizer, config.text_field, "--eval-data") \
+        if config.eval_data else None
     resume_from = resume_checkpoint(plan, config.checkpoint_dir, config.resume, config.seed, config.steps, warn=warn,
                                     optimizer=config.optimizer_record())
-    write_data_caches(data)  # only now: a refused command writes nothing
+    for opened in (data, eval_data):  # only now: a refused command writes nothing
+        if opened is not None:
+            write_data_caches(opened)
     run_dir, plan_file = prepare_run_dir(plan, config, plan_file, is_rank0)
     worker_flags = config.to_flags()
     config = dataclasses.replace(config, plan_toml=plan.to_toml(), device=device, run_dir=run_dir,

@@ -34,6 +34,7 @@ from fivefold.runtime.config import RunConfig, check_gpu_dtype
 from fivefold.runtime.context_parallel import (apply_context_parallel, data_parallel_mesh, positions_per_row,
                                                shard_batch, split_micro_batches)
 from fivefold.runtime.elastic_run import ElasticRun
+from fivefold.runtime.evaluate import Evaluator
 from fivefold.runtime.expert_parallel import (expert_mesh, forget_metadata_inference, moe_step_metrics,
                                               prepare_moe)
 from fivefold.runtime.knobs import NO_KNOBS, FaultKnobs
@@ -205,6 +206,7 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
                            else None)
     rows = replica_rows(plan, dp_rank)
     end_of_document = end_of_document_of(config, loader) if plan.train.document_mask else None
+    evaluator = Evaluator.for_run(config, plan)  # None without --eval-data
 
     first_step = elastic.start(parts, Checkpointer(config, plan, mesh, parts, optimizer, loader))  # > 0: resumed
     meter = StepMeter(plan, device, mesh.rank, "fp32" if param_dtype is None else "bf16", first_step)
@@ -244,6 +246,9 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
         record = meter.finish(step + 1, loss, grad_norm, lr, verdict.bad, elastic.forward_seconds(), moe_metrics,
                               gather)
         tracer.end_step()
+        if evaluator is not None and evaluator.due(step + 1):  # after the step's timing: not part of it
+            record.update(evaluator.evaluate(step_model, rows, mesh.coords["cp"], mesh.coords["tp"],
+                                             end_of_document))
         history.append(record)
         if is_rank0:
             metrics.write(record)
