@@ -151,6 +151,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
     config.validate()
     check_launch_flags(args.max_restarts)
+    if args.dump_config:
+        check_output_file(args.dump_config, "--dump-config", "job.toml")
     if args.init_from_hf:  # the folder's config.json decides the model
         plan = plan_for_hf(plan, args.init_from_hf, bool(args.plan), bool(args.layers_per_stage))
     info = sys.stderr if args.json else sys.stdout
@@ -159,6 +161,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     run = prepare_run(plan, config, nproc=args.nproc, plan_file=args.plan, torchrun_worker=args.torchrun_worker,
                       fixed=fixed, say=lambda line: print(line, file=info, flush=True),
                       warn=lambda line: print(f"warning: {line}", file=sys.stderr))
+    keep_job_file(args, run.config.run_dir if run.torchrun_rank is None else None, info)
     if run.torchrun_rank is not None:
         summary = run_torchrun_worker(run.config)
         if summary and args.json:
@@ -177,6 +180,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     for line in done_lines(summary, run.config):
         print(line)
     return 0
+
+
+def keep_job_file(args: argparse.Namespace, run_dir: str | None, info: Any) -> None:
+    """--dump-config FILE, and the run folder's job.toml: the effective job of this run (fivefold/jobfile.py)."""
+    from pathlib import Path
+
+    from fivefold.jobfile import job_file_text, write_job_file
+
+    if not (args.dump_config or run_dir):
+        return
+    text = job_file_text(args, args.job_parser)
+    if args.dump_config:
+        print(f"wrote the job file {write_job_file(text, args.dump_config)}", file=info, flush=True)
+    if run_dir:
+        write_job_file(text, Path(run_dir) / "job.toml")
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -295,6 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verb("train", "run a plan with torch.distributed (gloo on CPU, NCCL on GPU)", cmd_train)
     p.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)  # set by the torchrun line
+    p.add_argument("--config", default=None, metavar="JOB.toml", help="a job file of train flags in sections "
+                   "(docs/data.md); flags on the command line win")
+    p.add_argument("--dump-config", default=None, metavar="FILE", help="write the effective job file of this run "
+                   "here (the run goes on)")
+    p.set_defaults(job_parser=p)
     add_spec_flags(p)
     add_layout_flags(p)
     add_run_flags(p)
@@ -324,7 +347,13 @@ def main(argv: list[str] | None = None) -> int:
     json_errors = wants_json(argv)  # known even when the command line itself cannot be parsed
     with sigterm_raises():
         try:
-            args = build_parser().parse_args(argv)
+            parser = build_parser()
+            args = parser.parse_args(argv)
+            if getattr(args, "config", None):  # the job file sets the defaults; the command line wins
+                from fivefold.jobfile import read_job_file
+
+                args.job_parser.set_defaults(**read_job_file(args.config, args.job_parser))
+                args = parser.parse_args(argv)
             return int(args.handler(args) or 0)
         except NotBuilt as exc:
             print(f"not built: {exc}", file=sys.stderr)
