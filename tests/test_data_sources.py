@@ -6,6 +6,7 @@ command), weighted blends (exact proportions, deterministic, resumable from the 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -210,9 +211,10 @@ def test_a_blend_resumed_under_another_plan_trains_on_the_same_tokens(tmp_path):
     for i in range(2):
         write_tokens(rng.integers(0, 256, 3000), shards / f"{i}.bin")
     data = f"0.7:{shards},0.3:{write_jsonl(tmp_path / 'docs.jsonl')}"
-    straight = train(tmp_path, "straight", "--nproc", "1", "--steps", "4", "--data", data)
-    ck = str(tmp_path / "ck")
-    train(tmp_path, "first", "--nproc", "1", "--steps", "2", "--data", data, "--checkpoint-dir", ck)
+    ck = tmp_path / "ck"
+    straight = train(tmp_path, "straight", "--nproc", "1", "--steps", "4", "--data", data, "--checkpoint-dir",
+                     str(ck), "--checkpoint-every", "2")
+    shutil.rmtree(ck / "step-00000004")  # continue from step 2, under dp2
     resumed = train(tmp_path, "resumed", "--nproc", "2", "--dp", "2", "--steps", "4", "--data", data,
-                    "--checkpoint-dir", ck, "--resume")
-    assert resumed == pytest.approx(straight[2:], rel=1e-5)
+                    "--checkpoint-dir", str(ck), "--resume")
+    assert len(straight) == 4 and resumed == pytest.approx(straight[2:], rel=1e-5)
