@@ -155,6 +155,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_output_file(args.dump_config, "--dump-config", "job.toml")
     if args.init_from_hf:  # the folder's config.json decides the model
         plan = plan_for_hf(plan, args.init_from_hf, bool(args.plan), bool(args.layers_per_stage))
+    if args.slurm:  # the job for the cluster's scheduler, instead of training here
+        from fivefold.runtime.slurm import slurm_script
+
+        sys.stdout.write(slurm_script(plan, config.to_flags(), *nodes_of(plan)))
+        return 0
     info = sys.stderr if args.json else sys.stdout
     # A re-plan for another world size keeps what the user fixed (with --plan: what the file says).
     fixed = None if args.plan else Choices(**{k: getattr(args, k) for k in REPLAN_KEEPS})
@@ -317,6 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(docs/data.md); flags on the command line win")
     p.add_argument("--dump-config", default=None, metavar="FILE", help="write the effective job file of this run "
                    "here (the run goes on)")
+    p.add_argument("--slurm", action="store_true", help="print an sbatch script for the plan (one torchrun agent "
+                   "per node, rendezvous from SLURM's variables) and exit without training")
     p.set_defaults(job_parser=p)
     add_spec_flags(p)
     add_layout_flags(p)
