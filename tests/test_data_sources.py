@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-import fivefold.runtime
 from fivefold.cli import main
 from fivefold.data import (Blend, ByteTokenizer, GlobalBatchLoader, TokenDataset, open_data, parse_data_spec,
                            tokenize_documents, write_tokens)
@@ -139,12 +138,6 @@ def test_blend_resumes_from_its_state_with_the_same_tokens():
         other.load_state_dict(state)
 
 
-@pytest.fixture
-def launched(monkeypatch) -> list:
-    calls: list = []
-    monkeypatch.setattr(fivefold.runtime, "launch", lambda configs, nproc, max_restarts=0:
-                        calls.append(list(configs)) or [{"fake": True}])
-    return calls
 
 
 def bad_sources(d: Path) -> list[tuple[str, str]]:

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import fivefold.runtime
 from fivefold.cli import main
 from fivefold.data import builtin_corpus, write_tokens
 from fivefold.runtime import RunConfig, launch
@@ -68,12 +67,6 @@ def test_the_terminal_line_and_tensorboard_tags_carry_the_evaluation(tmp_path):
     assert STEP_SCALARS["eval_loss"] == "eval/loss" and STEP_SCALARS["eval_perplexity"] == "eval/perplexity"
 
 
-@pytest.fixture
-def launched(monkeypatch) -> list:
-    calls: list = []
-    monkeypatch.setattr(fivefold.runtime, "launch", lambda configs, nproc, max_restarts=0:
-                        calls.append(list(configs)) or [{"fake": True}])
-    return calls
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-import fivefold.runtime
 from fivefold.cli import main
 
 JOB = """
@@ -35,25 +34,19 @@ seed = 3
 """
 
 
-@pytest.fixture
-def launched(monkeypatch) -> list:
-    calls: list = []
-    monkeypatch.setattr(fivefold.runtime, "launch", lambda configs, nproc, max_restarts=0:
-                        calls.append((list(configs), nproc)) or [{"fake": True}])
-    return calls
 
 
 def test_the_job_file_sets_the_run_and_flags_win(tmp_path, launched):
     job = tmp_path / "job.toml"
     job.write_text(JOB)
     assert main(["train", "--config", str(job), "--json"]) == 0
-    (config,), nproc = launched[-1]
+    (config,), nproc = launched[-1], launched.nprocs[-1]
     plan = config.plan
     assert (nproc, plan.micro_batch, plan.train.seq_len, plan.train.global_batch) == (1, 2, 32, 4)
     assert (config.lr, config.lr_schedule, config.betas, config.steps, config.seed) == \
         (2e-3, "linear", "0.9,0.99", 7, 3)
     assert main(["train", "--config", str(job), "--steps", "9", "--lr", "1e-3", "--json"]) == 0
-    (config,), _ = launched[-1]
+    (config,) = launched[-1]
     assert (config.steps, config.lr, config.lr_schedule) == (9, 1e-3, "linear")
 
 

@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 
-import fivefold.runtime
 from fivefold.checkpoint import save_checkpoint, step_dir
 from fivefold.cli import main
 from fivefold.models import build_model, init_weights
@@ -69,12 +68,6 @@ def test_optimizer_takes_weight_decay_betas_and_eps():
     assert decay["betas"] == (0.8, 0.99) and decay["eps"] == 1e-6
 
 
-@pytest.fixture
-def launched(monkeypatch) -> list:
-    calls: list = []
-    monkeypatch.setattr(fivefold.runtime, "launch", lambda configs, nproc, max_restarts=0:
-                        calls.append(list(configs)) or [{"fake": True}])
-    return calls
 
 
 @pytest.mark.parametrize("argv, message", [

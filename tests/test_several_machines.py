@@ -12,7 +12,6 @@ import tomllib
 
 import pytest
 
-import fivefold.runtime
 from fivefold.cli import main
 from fivefold.local import free_port
 from fivefold.spec import plan_from_dict
@@ -20,12 +19,6 @@ from fivefold.spec import plan_from_dict
 TRAIN = [sys.executable, "-m", "fivefold", "train"]
 
 
-@pytest.fixture
-def launched(monkeypatch) -> list:
-    calls: list = []
-    monkeypatch.setattr(fivefold.runtime, "launch", lambda configs, nproc, max_restarts=0:
-                        calls.append(list(configs)) or [{"fake": True}])
-    return calls
 
 
 def test_slurm_prints_an_sbatch_script_and_does_not_train(tmp_path, capsys, launched, monkeypatch):
