@@ -272,8 +272,13 @@ def open_dataset(path: str | None, tokenizer: Tokenizer | None = None, min_token
         return read_token_file(file)
     if not file.is_file():
         raise _not_a_file(file)
-    return cached_tokens(file, file.with_name(f"{file.name}.{tokenizer.name}.bin"), tokenizer,
-                         lambda: tokenize_text(read_text(file), tokenizer), min_tokens, write_cache)
+    def tokenize() -> np.ndarray:
+        from fivefold.data.documents import tokenize_text_blocks  # `datasets`: progress bar, processes
+
+        return tokenize_text_blocks(read_text(file), tokenizer, str(file))
+
+    return cached_tokens(file, file.with_name(f"{file.name}.{tokenizer.name}.bin"), tokenizer, tokenize, min_tokens,
+                         write_cache)
 
 
 def default_dataset(tokenizer: Tokenizer | None = None) -> TokenDataset:

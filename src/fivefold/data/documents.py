@@ -17,6 +17,9 @@ from fivefold.data.tokenizer import Tokenizer
 from fivefold.errors import SpecError
 
 ROWS_PER_PROCESS = 20_000  # below this, a second tokenizing process costs more than it saves
+BLOCKS_PER_PROCESS = 64  # ... and of 4096-line blocks of one text
+PROGRESS_MIN_ROWS = 1_000  # smaller data tokenizes at once: no progress bar
+PROGRESS_MIN_CHARS = 10_000_000
 SUFFIXES_OF = {"json": (".jsonl", ".json"), "parquet": (".parquet",), "text": (".txt", ".text", ".md")}
 
 
@@ -63,10 +66,26 @@ def _load_rows(datasets: Any, source: Path, kind: str) -> Any:
     return rows
 
 
+def tokenize_text_blocks(text: str, tokenizer: Tokenizer, name: str, num_proc: int | None = None) -> np.ndarray:
+    """One text as one stream: cut into blocks of 4096 lines (a cut never splits a line, so the tokens equal
+    those of the whole text for byte-level and line-respecting tokenizers), tokenized like rows but without
+    end-of-document tokens."""
+    lines = text.splitlines(keepends=True)
+    blocks = ["".join(lines[i:i + 4096]) for i in range(0, len(lines), 4096)]
+    rows = _datasets().Dataset.from_dict({"text": blocks})
+    if num_proc is None:
+        num_proc = max(1, min(os.cpu_count() or 1, len(blocks) // BLOCKS_PER_PROCESS))
+    return tokenize_rows(rows, tokenizer, "text", name, num_proc, close_documents=False,
+                         progress=len(text) >= PROGRESS_MIN_CHARS)
+
+
 def tokenize_rows(rows: Any, tokenizer: Tokenizer, text_field: str, name: str,
-                  num_proc: int | None = None) -> np.ndarray:
+                  num_proc: int | None = None, close_documents: bool = True,
+                  progress: bool | None = None) -> np.ndarray:
     """Every row's `text_field` tokenized and packed in row order (each followed by the end-of-document token
-    when the tokenizer has one). `num_proc` None: one process per ROWS_PER_PROCESS rows, up to the cores."""
+    when the tokenizer has one and `close_documents`). `num_proc` None: one process per ROWS_PER_PROCESS rows,
+    up to the cores. `progress` None: a progress bar from PROGRESS_MIN_ROWS rows on (less is done at once, and
+    a refused command stays one line)."""
     field = text_field
     if field not in rows.column_names:
         raise SpecError("--text-field", text_field, f"{name} has no such column; its columns: "
@@ -75,9 +94,13 @@ def tokenize_rows(rows: Any, tokenizer: Tokenizer, text_field: str, name: str,
         raise SpecError("--data", name, "is empty (no rows)")
     if num_proc is None:
         num_proc = max(1, min(os.cpu_count() or 1, len(rows) // ROWS_PER_PROCESS))
-    encoded = rows.map(_encode, fn_kwargs={"tokenizer": tokenizer, "field": field}, batched=True,
-                       remove_columns=rows.column_names, keep_in_memory=True, num_proc=num_proc if num_proc > 1
-                       else None, desc=f"tokenizing {name}")
+    datasets = _datasets()
+    if not (len(rows) >= PROGRESS_MIN_ROWS if progress is None else progress):
+        datasets.disable_progress_bars()
+    try:
+        encoded = _map(rows, tokenizer, field, close_documents, num_proc, name)
+    finally:
+        datasets.enable_progress_bars()
     column = encoded.data.column("ids")
     tokens = np.concatenate([chunk.flatten().to_numpy(zero_copy_only=False) for chunk in column.chunks])
     if len(tokens) == 0:
@@ -85,9 +108,15 @@ def tokenize_rows(rows: Any, tokenizer: Tokenizer, text_field: str, name: str,
     return tokens.astype(np.uint32)
 
 
-def _encode(batch: dict[str, list], tokenizer: Tokenizer, field: str) -> dict[str, list[list[int]]]:
+def _map(rows: Any, tokenizer: Tokenizer, field: str, close: bool, num_proc: int, name: str) -> Any:
+    return rows.map(_encode, fn_kwargs={"tokenizer": tokenizer, "field": field, "close": close}, batched=True,
+                    remove_columns=rows.column_names, keep_in_memory=True, num_proc=num_proc if num_proc > 1 else None,
+                    desc=f"tokenizing {name}")
+
+
+def _encode(batch: dict[str, list], tokenizer: Tokenizer, field: str, close: bool) -> dict[str, list[list[int]]]:
     texts = [text if isinstance(text, str) else "" if text is None else str(text) for text in batch[field]]
     many = getattr(tokenizer, "encode_many", None)
     ids = many(texts) if many is not None else [tokenizer.encode(t) for t in texts]
-    eod = tokenizer.end_of_document
+    eod = tokenizer.end_of_document if close else None
     return {"ids": [list(row) + [eod] if eod is not None else list(row) for row in ids]}
