@@ -211,3 +211,26 @@ def test_a_blend_resumed_under_another_plan_trains_on_the_same_tokens(tmp_path):
     resumed = train(tmp_path, "resumed", "--nproc", "2", "--dp", "2", "--steps", "4", "--data", data,
                     "--checkpoint-dir", str(ck), "--resume")
     assert len(straight) == 4 and resumed == pytest.approx(straight[2:], rel=1e-5)
+
+
+def test_resume_with_other_data_is_one_line_before_launch(tmp_path, capsys, launched):
+    from fivefold.checkpoint import save_checkpoint, step_dir
+    from fivefold.models import build_model
+    from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
+
+    a, b = write_jsonl(tmp_path / "a.jsonl"), write_jsonl(tmp_path / "b.jsonl", DOCS[:30])
+    spec = PRESETS["tiny"]
+    model = build_model(spec)
+    model.to_empty(device="cpu")
+    loader = GlobalBatchLoader(open_data(f"0.5:{a},0.5:{b}", ByteTokenizer()), 32, 8, seed=0)
+    loader.next_batch()
+    plan = Plan(model=spec, cluster=parse_cluster("1x1xcpu"), train=TrainSpec(seq_len=32, dtype="fp32"))
+    save_checkpoint({"model": model.state_dict()}, spec, step_dir(tmp_path / "ck", 1), step=1, plan=plan,
+                    extra={"train_state": {"step": 1, "loader": loader.state_dict()}})
+    argv = ["train", "--nproc", "1", "--seq-len", "32", "--steps", "3", "--checkpoint-dir", str(tmp_path / "ck"),
+            "--resume", "--json"]
+    assert main([*argv, "--data", f"0.7:{a},0.3:{b}"]) == 2 and not launched
+    assert capsys.readouterr().err.strip() == (f"error: --data='0.7:{a},0.3:{b}': the checkpoint's data had "
+                                               "weights=[0.5, 0.5], this data has weights=[0.7, 0.3]; resume with "
+                                               "the same data (and blend weights)")
+    assert main([*argv, "--data", f"0.5:{a},0.5:{b}"]) == 0 and len(launched) == 1

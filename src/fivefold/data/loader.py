@@ -75,15 +75,20 @@ class GlobalBatchLoader:
                       "source_samples": list(self.source_samples)}
         return state
 
+    def differs_from(self, state: dict) -> str | None:
+        """The first key of a saved state that another seed, sequence length or data would change, or None."""
+        mine = self.state_dict()
+        return next((key for key in ("seed", "seq_len", "windows", "source_windows", "weights")
+                     if state.get(key) != mine.get(key)), None)
+
     def load_state_dict(self, state: dict) -> None:
         """Continue at the saved global position. The global batch may differ (the position is counted in
         sequences); the seed, seq_len and data must be the ones the state was saved with."""
-        mine = self.state_dict()
-        for key in ("seed", "seq_len", "windows", "source_windows", "weights"):
-            if state.get(key) != mine.get(key):
-                raise SpecError(f"loader state {key}", state.get(key),
-                                f"the resumed run uses {key}={mine.get(key)}; resume with the same "
-                                "seed, sequence length and data")
+        key = self.differs_from(state)
+        if key is not None:
+            raise SpecError(f"loader state {key}", state.get(key),
+                            f"the resumed run uses {key}={self.state_dict().get(key)}; resume with the same "
+                            "seed, sequence length and data")
         self.samples_seen = int(state["samples_seen"])
         self.steps = int(state["steps"])
         self.source_samples = ([int(n) for n in state["source_samples"]] if "source_samples" in state
