@@ -9,7 +9,7 @@ import textwrap
 import fivefold
 
 PACKAGE = pathlib.Path(fivefold.__file__).parent
-TORCH_FREE = ["spec", "cost", "planner", "sim"]
+TORCH_FREE = ["spec", "cost", "planner", "sim", "batching"]
 
 BLOCK_TORCH = textwrap.dedent("""
     import importlib, importlib.abc, pkgutil, sys

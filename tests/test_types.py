@@ -6,7 +6,7 @@ import pathlib
 from mypy import api as mypy_api  # the dev extra
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-CHECKED = ["spec", "cost", "planner", "sim"]
+CHECKED = ["spec", "cost", "planner", "sim", "batching"]
 
 
 def test_mypy_finds_no_errors_in_spec_cost_planner_sim():

@@ -61,8 +61,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = search(model, cluster, train, Choices(**layout_from_args(args)), headroom=args.headroom, top=args.top,
                     stack=stack_named(args.stack), progress=progress)
     rerank_by_simulation(result, args.simulate_top)
-    if args.out:
-        result.candidates[0].plan.save(make_parents(args.out, "--out"))
     dryruns: dict[int, dict] = {}
     if args.dryrun_top > 0:
         from fivefold.dryrun.report import check_top
@@ -70,6 +68,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         top = [c.plan for c in result.candidates[:args.dryrun_top]]
         log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
         dryruns = {id(plan): verdict for plan, verdict in zip(top, check_top(top, log=log))}
+    if args.out:  # after every check that can refuse: a refused command writes nothing
+        result.candidates[0].plan.save(make_parents(args.out, "--out"))
     if args.json:
         print_json(plan_json(result, model.name, cluster.label, args.out, dryruns))
         return 0

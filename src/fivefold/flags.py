@@ -196,3 +196,26 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eps", type=float, default=1e-8, help="AdamW epsilon (default: 1e-8)")
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (CPU: inductor "
                    "needs a C compiler; the first steps pay the compile time)")
+
+
+def add_serve_layout_flags(parser: argparse.ArgumentParser, for_search: bool = False) -> None:
+    """The serving layout (spec/serve.py ServeLayout and BatchLimits), named alike in `serve`, `generate` and
+    `plan/estimate/simulate --serve`. In `plan --serve` each one given fixes that choice of the search."""
+    group = parser.add_argument_group("serving layout" + (" (each one given fixes that choice in the search)"
+                                                          if for_search else ""))
+    for dim, text in (("tp", "tensor-parallel degree (heads and MLP split)"),
+                      ("pp", "pipeline-parallel degree (layers split, pp batches in flight)"),
+                      ("replicas", "copies of the model behind the router"),
+                      ("ep", "MoE: experts split over the tp ranks (1 or tp)")):
+        parser_default = "" if for_search else " (default: 1)"
+        group.add_argument(f"--{dim}", type=int, default=None, help=text + parser_default)
+    group.add_argument("--max-batch", type=int, default=None,
+                       help="requests running at once per replica (default: 256)")
+    group.add_argument("--max-tokens-per-step", type=int, default=None,
+                       help="tokens one step computes, decodes plus prefill chunks (default: 2048)")
+    group.add_argument("--kv-blocks", type=int, default=None,
+                       help="KV-cache blocks per replica (16 tokens each); or give --kv-memory")
+    group.add_argument("--kv-memory", type=float, default=None, metavar="GIB",
+                       help="GiB of KV cache per device (the blocks follow from the model and layout)")
+    group.add_argument("--kv-dtype", choices=["bf16", "fp16", "fp32", "fp8"], default=None,
+                       help="KV-cache dtype (default: the compute dtype)")

@@ -30,6 +30,7 @@ from fivefold.cost.results import Score
 from fivefold.cost.stack import STACKS, SoftwareStack
 from fivefold.cost.step import estimate, score_layout
 from fivefold.errors import SpecError
+from fivefold.planner.refusals import check_before_search
 from fivefold.planner.candidates import Candidate, NoFeasiblePlan, SearchResult
 from fivefold.planner.explain import infeasible_message
 from fivefold.planner.mixed import (REPLICAS, STAGES, PlacementOption, fit_memory, is_mixed, placement_options,
@@ -86,6 +87,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
         raise SpecError("--top", top, "must be at least 1")
     started = time.perf_counter()
     check_stack_choices(stack, choices, train)
+    check_before_search(model, cluster, train, choices)
     degrees = degree_options(model, cluster, train, choices, stack)
     if not degrees:
         raise SpecError("plan degrees", fixed_text(choices) or "(none fixed)",

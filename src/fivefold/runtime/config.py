@@ -19,6 +19,10 @@ from fivefold.errors import SpecError, require
 from fivefold.runtime.schedule import check_optimizer_flags, lr_at, optimizer_record
 from fivefold.spec import Plan, plan_from_dict
 
+MAX_LR = 10.0  # a peak learning rate above this diverges on the first step
+MAX_TIMEOUT_S = 7 * 24 * 3600  # torch keeps collective timeouts in milliseconds; a week is already no timeout
+MAX_FACTOR = 1e6  # gradient norms and slowdown factors
+
 
 @dataclass
 class RunConfig:
@@ -121,17 +125,19 @@ class RunConfig:
 
     def validate_numbers(self) -> None:
         """The optimizer and schedule flags: finite, positive where zero or less cannot train."""
-        require(math.isfinite(self.lr) and self.lr > 0, "--lr", self.lr, "must be a positive finite number, e.g. 3e-3")
-        require(math.isfinite(self.grad_clip) and self.grad_clip > 0, "--grad-clip", self.grad_clip,
-                "must be a positive finite gradient norm, e.g. 1.0 (clipping cannot be turned off)")
+        require(math.isfinite(self.lr) and 0 < self.lr <= MAX_LR, "--lr", self.lr,
+                f"must be a positive finite number up to {MAX_LR:g}, e.g. 3e-3")
+        require(math.isfinite(self.grad_clip) and 0 < self.grad_clip <= MAX_FACTOR, "--grad-clip", self.grad_clip,
+                f"must be a positive finite gradient norm up to {MAX_FACTOR:g}, e.g. 1.0 (clipping cannot be turned off)")
         require(self.warmup_steps >= 0, "--warmup-steps", self.warmup_steps, "must be 0 or more")
         require(0 <= self.seed < 2**63, "--seed", self.seed, "must be an integer from 0 to 2**63-1")
-        require(math.isfinite(self.collective_timeout), "--collective-timeout", self.collective_timeout,
-                "must be a finite number of seconds")
-        require(math.isfinite(self.max_loss_spike), "--max-loss-spike", self.max_loss_spike,
-                "must be a finite factor above 1, or 0 to disable")
-        require(math.isfinite(self.straggler_factor), "--straggler-factor", self.straggler_factor,
-                "must be a finite factor above 1, or 0 to disable")
+        require(math.isfinite(self.collective_timeout) and self.collective_timeout <= MAX_TIMEOUT_S,
+                "--collective-timeout", self.collective_timeout, f"must be a finite number of seconds up to "
+                f"{MAX_TIMEOUT_S:,} (a week)")
+        require(math.isfinite(self.max_loss_spike) and self.max_loss_spike <= MAX_FACTOR, "--max-loss-spike",
+                self.max_loss_spike, f"must be a finite factor above 1 (at most {MAX_FACTOR:g}), or 0 to disable")
+        require(math.isfinite(self.straggler_factor) and self.straggler_factor <= MAX_FACTOR, "--straggler-factor",
+                self.straggler_factor, f"must be a finite factor above 1 (at most {MAX_FACTOR:g}), or 0 to disable")
 
     def validate_eval(self) -> None:
         """--eval-every / --eval-batches: counts, and only with --eval-data."""
@@ -154,14 +160,32 @@ class RunConfig:
 
     def validate_paths(self) -> None:
         """Output paths of the right kind in a writable place; nothing is created here."""
-        from fivefold.outputs import check_output_dir, check_output_file
+        from fivefold.outputs import check_distinct_paths, check_metrics_file, check_output_dir
 
+        check_distinct_paths({"--metrics-file": self.metrics_file, "--checkpoint-dir": self.checkpoint_dir,
+                              "--tensorboard": self.tensorboard, "--init-from-hf": self.init_from_hf,
+                              **{"--data": path for path in data_paths(self.data)}})
         if self.metrics_file:
-            check_output_file(self.metrics_file, "--metrics-file", "metrics.jsonl")
+            check_metrics_file(self.metrics_file)
         if self.checkpoint_dir:
             check_output_dir(self.checkpoint_dir, "--checkpoint-dir")
         if self.tensorboard:
             check_output_dir(self.tensorboard, "--tensorboard")
+
+
+def data_paths(data: str | None) -> list[str]:
+    """The files and folders named by --data: one path, or a blend 'W:PATH,W:PATH'."""
+    if not data:
+        return []
+    paths = []
+    for part in data.split(","):
+        weight, sep, path = part.partition(":")
+        try:
+            float(weight)
+        except ValueError:
+            sep = ""
+        paths.append(path if sep else part)
+    return paths
 
 
 def check_gpu_dtype(dtype: str) -> None:
