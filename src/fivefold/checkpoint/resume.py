@@ -96,8 +96,9 @@ def check_resumable(path: Path, plan: Plan, seed: int, steps: int, optimizer: di
                   if name in saved_optimizer and saved_optimizer[name] != value), None)
     if field is not None:
         def shown(value):
-            return "the default" if value is None else ",".join(f"{b:g}" for b in value) if field == "betas" \
-                else value
+            if isinstance(value, list):
+                return ",".join(f"{b:g}" if isinstance(b, (int, float)) else str(b) for b in value)
+            return "the default" if value is None else value
 
         flag = "--" + field.replace("_", "-")
         raise SpecError(flag, shown((optimizer or {})[field]), f"the checkpoint was trained with {field}="
