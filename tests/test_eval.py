@@ -65,6 +65,18 @@ def test_the_terminal_line_and_tensorboard_tags_carry_the_evaluation(tmp_path):
               "peak_memory_gib": 0.3, "step_time_s": 0.1, "eval_loss": 4.25, "eval_perplexity": math.exp(4.25)}
     assert format_step(record).endswith("eval_loss 4.2500  eval_ppl 70.11")
     assert STEP_SCALARS["eval_loss"] == "eval/loss" and STEP_SCALARS["eval_perplexity"] == "eval/perplexity"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fivefold.runtime.tensorboard import TensorBoardWriter
+
+    writer = TensorBoardWriter(str(tmp_path / "tb"))
+    writer.write(record)
+    writer.write({**record, "step": 3, "eval_loss": None, "eval_perplexity": None})  # a step without evaluation
+    writer.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, round(e.value, 4)) for e in events.Scalars("eval/loss")] == [(2, 4.25)]
+    assert [round(e.value, 2) for e in events.Scalars("eval/perplexity")] == [70.11]
 
 
 
