@@ -20,7 +20,8 @@ from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
 STEPS = 3
 PLANS = {"dp2": dict(dp=2, micro_batch=2), "dp2-fsdp": dict(dp=2, zero=3, micro_batch=2),
          "tp2": dict(tp=2, sequence_parallel=True, micro_batch=4), "pp2-1f1b": dict(pp=2, schedule="1f1b",
-                                                                                    micro_batch=2)}
+                                                                                    micro_batch=2),
+         "cp2": dict(cp=2, micro_batch=4)}
 
 
 def eval_file(folder: Path) -> Path:
