@@ -16,7 +16,7 @@ from fivefold.errors import FivefoldError, SpecError
 from fivefold.interrupt import Interrupted, sigterm_raises
 from fivefold.outputs import check_output_dir, check_output_file, make_dir, make_parents
 from fivefold.flags import (REPLAN_KEEPS, add_json_flag, add_layout_flags, add_run_flags, add_spec_flags,
-                            add_stack_flag, layout_from_args, plan_from_args, specs_from_args)
+                            add_stack_flag, add_workload_flags, layout_from_args, plan_from_args, specs_from_args)
 
 EXIT_BAD_INPUT = 2
 EXIT_NOT_BUILT = 3
@@ -44,6 +44,13 @@ def console():
 # --- verbs -------------------------------------------------------------------------------------
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.serve:
+        from fivefold.serving_cli import cmd_plan_serve
+
+        return cmd_plan_serve(args, console, print_json)
+    from fivefold.serving_cli import check_serve_only_flags
+
+    check_serve_only_flags(args)
     from fivefold.cost import stack_named
     from fivefold.planner import Choices, search
     from fivefold.planner.render import plan_json, plan_renderables, plan_title
@@ -82,6 +89,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
+    if args.serve:
+        from fivefold.serving_cli import cmd_estimate_serve
+
+        return cmd_estimate_serve(args, console, print_json)
+    from fivefold.serving_cli import check_serve_only_flags
+
+    check_serve_only_flags(args)
     from fivefold.cost import estimate, stack_named
 
     plan = plan_from_args(args)
@@ -98,6 +112,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.serve:
+        from fivefold.serving_cli import cmd_simulate_serve
+
+        return cmd_simulate_serve(args, console, print_json)
+    from fivefold.serving_cli import check_serve_only_flags
+
+    check_serve_only_flags(args)
     from fivefold.cost import estimate as estimate_plan
     from fivefold.cost import stack_named
     from fivefold.sim import parse_stage_times, simulate_plan
@@ -282,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb("plan", "search every dp x tp x pp x cp split and rank the layouts by predicted speed", cmd_plan)
     add_spec_flags(p)
     add_layout_flags(p, for_search=True)
+    add_workload_flags(p, for_search=True)
     p.add_argument("--top", type=int, default=5, help="how many plans to show (default: 5)")
     p.add_argument("--headroom", type=float, default=0.1,
                    help="fraction of device memory kept free (default: 0.1)")
@@ -294,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb("estimate", "predict step time, throughput, memory and bubble of one plan", cmd_estimate)
     add_spec_flags(p)
     add_layout_flags(p)
+    add_workload_flags(p)
     add_stack_flag(p)
     add_json_flag(p)
 
@@ -301,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
              cmd_simulate)
     add_spec_flags(p)
     add_layout_flags(p)
+    add_workload_flags(p)
     p.add_argument("--out-dir", default="out/simulate", help="where to write trace.json and timeline.png")
     p.add_argument("--stage-time", action="append", default=[], metavar="STAGE=SCALE",
                    help="what-if: scale the compute time of one stage (repeatable), e.g. 0=1.5")

@@ -97,6 +97,11 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, T
     train = TrainSpec(seq_len=args.seq_len, global_batch=args.global_batch, dtype=args.dtype or default_dtype(cluster),
                       expert_imbalance=getattr(args, "expert_imbalance", 1.0),
                       document_mask=getattr(args, "document_mask", False))
+    if train.expert_imbalance != 1.0 and not model.is_moe:
+        from fivefold.errors import SpecError
+
+        raise SpecError("--expert-imbalance", train.expert_imbalance, f"means nothing for a dense model ({model.name} "
+                        "has no experts); leave it out")
     return model, cluster, train
 
 
@@ -198,15 +203,19 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    "needs a C compiler; the first steps pay the compile time)")
 
 
-def add_serve_layout_flags(parser: argparse.ArgumentParser, for_search: bool = False) -> None:
+def add_serve_layout_flags(parser: argparse.ArgumentParser, for_search: bool = False,
+                           skip: tuple[str, ...] = ()) -> None:
     """The serving layout (spec/serve.py ServeLayout and BatchLimits), named alike in `serve`, `generate` and
-    `plan/estimate/simulate --serve`. In `plan --serve` each one given fixes that choice of the search."""
+    `plan/estimate/simulate --serve`. In `plan --serve` each one given fixes that choice of the search.
+    `skip`: degrees the parser already has (plan/estimate/simulate have --tp --pp --ep from add_layout_flags)."""
     group = parser.add_argument_group("serving layout" + (" (each one given fixes that choice in the search)"
                                                           if for_search else ""))
     for dim, text in (("tp", "tensor-parallel degree (heads and MLP split)"),
                       ("pp", "pipeline-parallel degree (layers split, pp batches in flight)"),
                       ("replicas", "copies of the model behind the router"),
                       ("ep", "MoE: experts split over the tp ranks (1 or tp)")):
+        if dim in skip:
+            continue
         parser_default = "" if for_search else " (default: 1)"
         group.add_argument(f"--{dim}", type=int, default=None, help=text + parser_default)
     group.add_argument("--max-batch", type=int, default=None,
@@ -219,3 +228,21 @@ def add_serve_layout_flags(parser: argparse.ArgumentParser, for_search: bool = F
                        help="GiB of KV cache per device (the blocks follow from the model and layout)")
     group.add_argument("--kv-dtype", choices=["bf16", "fp16", "fp32", "fp8"], default=None,
                        help="KV-cache dtype (default: the compute dtype)")
+
+
+def add_workload_flags(parser: argparse.ArgumentParser, for_search: bool = False) -> None:
+    """`--serve` and what it serves (spec/workload.py): lengths or a trace, arrivals, latency targets; and the
+    serving layout flags (the degrees --tp --pp --ep are the layout flags this parser already has)."""
+    group = parser.add_argument_group("serving workload (with --serve)")
+    group.add_argument("--serve", action="store_true", help="plan/estimate/simulate serving instead of training")
+    group.add_argument("--prompt-len", default="512", help="prompt tokens: a number or mean:std (lognormal) "
+                       "(default: 512)")
+    group.add_argument("--output-len", default="128", help="output tokens: a number or mean:std (default: 128)")
+    group.add_argument("--trace", default=None, metavar="FILE",
+                       help="CSV or JSONL of requests with arrival_s, prompt_tokens, output_tokens")
+    group.add_argument("--rate", default=None, help="requests/s over the deployment (Poisson), or inf (all at once)")
+    group.add_argument("--batch", type=int, default=None, help="or: this many requests always in flight")
+    group.add_argument("--requests", type=int, default=1000, help="requests in the stream (default: 1000)")
+    group.add_argument("--ttft-slo", type=float, default=None, metavar="S", help="p90 time to first token target")
+    group.add_argument("--tpot-slo", type=float, default=None, metavar="S", help="p90 time per output token target")
+    add_serve_layout_flags(parser, for_search=for_search, skip=("tp", "pp", "ep"))
