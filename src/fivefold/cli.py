@@ -15,6 +15,7 @@ from fivefold.cliparse import OneLineParser, print_json_error, wants_json
 from fivefold.errors import FivefoldError, SpecError
 from fivefold.interrupt import Interrupted, sigterm_raises
 from fivefold.outputs import check_output_dir, check_output_file, make_dir, make_parents
+from fivefold.jobfile import add_job_flags, keep_job_file, parse_with_job_file
 from fivefold.flags import (REPLAN_KEEPS, add_json_flag, add_layout_flags, add_run_flags, add_spec_flags,
                             add_stack_flag, add_workload_flags, layout_from_args, plan_from_args, specs_from_args)
 
@@ -166,28 +167,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     from fivefold.runtime import RunConfig, launch, torchrun_command
     from fivefold.runtime.launch import WorkerFailed, check_launch_flags, nodes_of, run_torchrun_worker
     from fivefold.runtime.prepare import done_lines, prepare_run
+    from fivefold.runtime.slurm import print_slurm_script
 
     # Everything that can be wrong with the plan, the flags or the data fails here, before any process starts.
     config = RunConfig.from_flags(vars(args), progress_to_stderr=args.json)
     plan = plan_from_args(args)
     config.validate()
     check_launch_flags(args.max_restarts)
-    if args.dump_config:
-        check_output_file(args.dump_config, "--dump-config", "job.toml")
     if args.init_from_hf:  # the folder's config.json decides the model
         plan = plan_for_hf(plan, args.init_from_hf, bool(args.plan), bool(args.layers_per_stage))
     if args.slurm:  # the job for the cluster's scheduler, instead of training here
-        from fivefold.runtime.slurm import slurm_script
-
-        sys.stdout.write(slurm_script(plan, config.to_flags(), *nodes_of(plan)))
-        return 0
+        return print_slurm_script(plan, config)
     info = sys.stderr if args.json else sys.stdout
     # A re-plan for another world size keeps what the user fixed (with --plan: what the file says).
     fixed = None if args.plan else Choices(**{k: getattr(args, k) for k in REPLAN_KEEPS})
     run = prepare_run(plan, config, nproc=args.nproc, plan_file=args.plan, torchrun_worker=args.torchrun_worker,
                       fixed=fixed, say=lambda line: print(line, file=info, flush=True),
                       warn=lambda line: print(f"warning: {line}", file=sys.stderr))
-    keep_job_file(args, run.config.run_dir if run.torchrun_rank is None else None, info)
+    keep_job_file(args, run.config.run_dir if run.torchrun_rank is None else None, info)  # fivefold/jobfile.py
     if run.torchrun_rank is not None:
         summary = run_torchrun_worker(run.config)
         if summary and args.json:
@@ -206,21 +203,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     for line in done_lines(summary, run.config):
         print(line)
     return 0
-
-
-def keep_job_file(args: argparse.Namespace, run_dir: str | None, info: Any) -> None:
-    """--dump-config FILE, and the run folder's job.toml: the effective job of this run (fivefold/jobfile.py)."""
-    from pathlib import Path
-
-    from fivefold.jobfile import job_file_text, write_job_file
-
-    if not (args.dump_config or run_dir):
-        return
-    text = job_file_text(args, args.job_parser)
-    if args.dump_config:
-        print(f"wrote the job file {write_job_file(text, args.dump_config)}", file=info, flush=True)
-    if run_dir:
-        write_job_file(text, Path(run_dir) / "job.toml")
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -342,13 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verb("train", "run a plan with torch.distributed (gloo on CPU, NCCL on GPU)", cmd_train)
     p.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)  # set by the torchrun line
-    p.add_argument("--config", default=None, metavar="JOB.toml", help="a job file of train flags in sections "
-                   "(docs/data.md); flags on the command line win")
-    p.add_argument("--dump-config", default=None, metavar="FILE", help="write the effective job file of this run "
-                   "here (the run goes on)")
-    p.add_argument("--slurm", action="store_true", help="print an sbatch script for the plan (one torchrun agent "
-                   "per node, rendezvous from SLURM's variables) and exit without training")
-    p.set_defaults(job_parser=p)
+    add_job_flags(p)  # --config, --dump-config, --slurm
     add_spec_flags(p)
     add_layout_flags(p)
     add_run_flags(p)
@@ -378,13 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     json_errors = wants_json(argv)  # known even when the command line itself cannot be parsed
     with sigterm_raises():
         try:
-            parser = build_parser()
-            args = parser.parse_args(argv)
-            if getattr(args, "config", None):  # the job file sets the defaults; the command line wins
-                from fivefold.jobfile import read_job_file
-
-                args.job_parser.set_defaults(**read_job_file(args.config, args.job_parser))
-                args = parser.parse_args(argv)
+            args = parse_with_job_file(build_parser(), argv)
             return int(args.handler(args) or 0)
         except NotBuilt as exc:
             print(f"not built: {exc}", file=sys.stderr)

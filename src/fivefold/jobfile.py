@@ -112,6 +112,42 @@ def job_file_text(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return header + tomli_w.dumps({name: table for name, table in document.items() if table})
 
 
+def add_job_flags(parser: argparse.ArgumentParser) -> None:
+    """`train`'s --config, --dump-config and --slurm (what to do with the job rather than how it trains)."""
+    parser.add_argument("--config", default=None, metavar="JOB.toml", help="a job file of train flags in sections "
+                        "(docs/data.md); flags on the command line win")
+    parser.add_argument("--dump-config", default=None, metavar="FILE", help="write the effective job file of this "
+                        "run here (the run goes on)")
+    parser.add_argument("--slurm", action="store_true", help="print an sbatch script for the plan (one torchrun "
+                        "agent per node, rendezvous from SLURM's variables) and exit without training")
+    parser.set_defaults(job_parser=parser)
+
+
+def parse_with_job_file(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The command line; with --config, parsed again over the job file's values (the command line wins).
+    A --dump-config path is checked here, before anything runs."""
+    from fivefold.outputs import check_output_file
+
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        args.job_parser.set_defaults(**read_job_file(args.config, args.job_parser))
+        args = parser.parse_args(argv)
+    if getattr(args, "dump_config", None):
+        check_output_file(args.dump_config, "--dump-config", "job.toml")
+    return args
+
+
+def keep_job_file(args: argparse.Namespace, run_dir: str | None, info: Any) -> None:
+    """--dump-config FILE, and the run folder's job.toml: the effective job of this run (after every check)."""
+    if not (args.dump_config or run_dir):
+        return
+    text = job_file_text(args, args.job_parser)
+    if args.dump_config:
+        print(f"wrote the job file {write_job_file(text, args.dump_config)}", file=info, flush=True)
+    if run_dir:
+        write_job_file(text, Path(run_dir) / "job.toml")
+
+
 def write_job_file(text: str, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,10 +10,20 @@ checks them exactly as on one machine.
 from __future__ import annotations
 
 import shlex
+import sys
+from typing import Any
 
 from fivefold.spec import Plan
 
 RDZV_PORT = 29500
+
+
+def print_slurm_script(plan: Plan, config: Any) -> int:
+    """`--slurm`: the script on stdout, for the plan's nodes and the run's flags (RunConfig.to_flags); exit 0."""
+    from fivefold.runtime.launch import nodes_of
+
+    sys.stdout.write(slurm_script(plan, config.to_flags(), *nodes_of(plan)))
+    return 0
 
 
 def slurm_script(plan: Plan, run_flags: list[str], nodes: int, per_node: int) -> str:
