@@ -85,6 +85,8 @@ def test_text_file_folder_is_one_document_per_file(tmp_path):
     folder.mkdir()
     for i, doc in enumerate(DOCS[:3]):
         (folder / f"{i}.txt").write_text(doc)
+    assert open_data(str(folder / "0.txt"), ByteTokenizer()).tokens.tolist() == list(DOCS[0].encode())
+    assert (folder / "0.txt.byte.bin").is_file()  # a cache inside the folder is not one of its files
     assert open_data(str(folder), ByteTokenizer()).tokens.tolist() == tokenize_documents(DOCS[:3],
                                                                                           ByteTokenizer()).tolist()
 

@@ -14,6 +14,7 @@ Text is tokenized once and cached beside the source (data/dataset.py cached_toke
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -59,8 +60,10 @@ def folder_kind(folder: Path) -> str:
     if any((folder / name).is_file() for name in DATASETS_FOLDER_FILES):
         return "datasets"
     files = [p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")]
-    # A .json beside a .bin of the same name is that shard's sidecar, not a data file.
-    files = [p for p in files if not (p.suffix == ".json" and p.with_suffix(".bin").is_file())]
+    # A .json beside a .bin of the same name is that shard's sidecar, not a data file; the token cache of a
+    # file of this folder (trained on alone before) is not data either.
+    files = [p for p in files if not (p.suffix == ".json" and p.with_suffix(".bin").is_file())
+             and not is_token_cache(p.with_suffix(".bin"))]
     kinds = {"shards" if p.suffix in SHARD_SUFFIXES else "text" if p.suffix in TEXT_SUFFIXES
              else ROW_SUFFIXES.get(p.suffix, f"unknown ({p.suffix or p.name})") for p in files}
     if not kinds:
@@ -72,6 +75,17 @@ def folder_kind(folder: Path) -> str:
     if kind.startswith("unknown"):
         raise SpecError("--data", str(folder), f"the folder holds {kind} files; give a folder of {KINDS}")
     return kind
+
+
+def is_token_cache(path: Path) -> bool:
+    """Whether NAME.bin is a token cache fivefold wrote beside a text source (its sidecar has a source_key)."""
+    sidecar = path.with_suffix(".json")
+    if path.suffix != ".bin" or not sidecar.is_file() or not path.is_file():
+        return False
+    try:
+        return "source_key" in json.loads(sidecar.read_text())
+    except (ValueError, OSError):
+        return False
 
 
 def open_source(path: str, tokenizer: Tokenizer, text_field: str = "text", min_tokens: int = 0,
