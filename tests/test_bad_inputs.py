@@ -226,7 +226,7 @@ PATHS = [
 ]
 
 DATA = [
-    ("train --nproc 1 --data {d}", "is a folder; give a token file (.bin/.npy) or a UTF-8 text file"),
+    ("train --nproc 1 --data {d}", "the folder mixes"),
     ("train --nproc 1 --data {d}/missing.bin", "no such file"),
     ("train --nproc 1 --data {d}/garbage.npy", "not a .npy file (no NumPy header)"),
     ("train --nproc 1 --data {d}/objects.npy", "not a NumPy array of token ids"),

@@ -146,7 +146,17 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of weights and data order (default: 0)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
     p.add_argument("--warmup-steps", type=int, default=2, help="linear warmup steps (default: 2)")
-    p.add_argument("--data", default=None, help="token file (.bin/.npy) or text file; default: built-in corpus")
+    p.add_argument("--data", default=None, help="token file (.bin/.npy) or folder of shards, .txt, .jsonl or "
+                   ".parquet file or folder, a `datasets` save_to_disk folder, or a blend 0.7:web/,0.3:code.jsonl "
+                   "(docs/data.md); default: built-in corpus")
+    p.add_argument("--text-field", default="text", help="the column holding the text in JSONL, Parquet and "
+                   "`datasets` rows (default: text)")
+    p.add_argument("--eval-data", default=None, help="validation data (any --data form): eval_loss and "
+                   "eval_perplexity in the metrics (default: none)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="evaluate every N steps and after the last (default: 0, only after the last)")
+    p.add_argument("--eval-batches", type=int, default=4,
+                   help="global batches per evaluation, the same ones every time (default: 4)")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer.json; default: byte-level")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: auto")
     p.add_argument("--nproc", type=int, default=None, help="worker processes (default: the plan's world size)")
@@ -181,6 +191,15 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", action="store_true", help="record a per-rank timeline for `fivefold report`")
     p.add_argument("--metrics-every", type=int, default=10, help="gather per-rank memory and times every N steps "
                    "(and on the first, last, bad and straggler-suspect steps; default: 10)")
+    p.add_argument("--lr-schedule", default="cosine", help="learning rate after the warmup: cosine, wsd "
+                   "(warmup-stable-decay), linear or constant (default: cosine)")
+    p.add_argument("--min-lr", type=float, default=None, help="where the decay ends (default: 10%% of --lr)")
+    p.add_argument("--decay-steps", type=int, default=None,
+                   help="wsd: the last steps that decay to --min-lr (default: 20%% of the steps after warmup)")
+    p.add_argument("--weight-decay", type=float, default=0.1,
+                   help="AdamW weight decay of matrices; none on norms and biases (default: 0.1)")
+    p.add_argument("--betas", default="0.9,0.95", help="AdamW betas (default: 0.9,0.95)")
+    p.add_argument("--eps", type=float, default=1e-8, help="AdamW epsilon (default: 1e-8)")
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (CPU: inductor "
                    "needs a C compiler; the first steps pay the compile time)")
 
