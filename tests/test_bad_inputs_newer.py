@@ -125,6 +125,8 @@ USER_FILES = [
     ("train --nproc 1 --metrics-file {d}/data.txt", "exists and is not a fivefold metrics file"),
     ("train --nproc 1 --data {d}/data.txt --metrics-file {d}/data.txt", "is the same path as --metrics-file"),
     ("train --nproc 1 --checkpoint-dir {d}/run --tensorboard {d}/run", "is the same path as --checkpoint-dir"),
+    ("train --nproc 1 --data {d}/data.txt --eval-data {d}/data.txt --metrics-file {d}/data.txt",
+     "is the same path as --metrics-file"),
 ]
 
 FOREIGN = [

@@ -162,9 +162,11 @@ class RunConfig:
         """Output paths of the right kind in a writable place; nothing is created here."""
         from fivefold.outputs import check_distinct_paths, check_metrics_file, check_output_dir
 
-        check_distinct_paths({"--metrics-file": self.metrics_file, "--checkpoint-dir": self.checkpoint_dir,
-                              "--tensorboard": self.tensorboard, "--init-from-hf": self.init_from_hf,
-                              **{"--data": path for path in data_paths(self.data)}})
+        check_distinct_paths([("--metrics-file", self.metrics_file), ("--checkpoint-dir", self.checkpoint_dir),
+                              ("--tensorboard", self.tensorboard)],
+                             [("--init-from-hf", self.init_from_hf),
+                              *(("--data", path) for path in data_paths(self.data)),
+                              *(("--eval-data", path) for path in data_paths(self.eval_data))])
         if self.metrics_file:
             check_metrics_file(self.metrics_file)
         if self.checkpoint_dir:
