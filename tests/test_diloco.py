@@ -93,7 +93,8 @@ def local_sgd_reference(lr: float, grad_clip: float, warmup: int) -> list[float]
 
     from fivefold.data import GlobalBatchLoader, load_tokenizer, open_dataset
     from fivefold.models import init_weights
-    from fivefold.runtime.optim import build_optimizer, lr_at, set_lr
+    from fivefold.runtime.optim import build_optimizer, set_lr
+    from fivefold.runtime.schedule import lr_at
     from fivefold.runtime.pipeline import build_stage_model
 
     plan = make_plan(1)

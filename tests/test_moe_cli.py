@@ -12,8 +12,9 @@ from fivefold.cli import main
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--cluster", "1x4xcpu", "--ep", "3"], "error: plan.ep=3: must divide dp*cp="),
-    (["--cluster", "1x4xcpu", "--ep", "8"], "error: plan.ep=8: must divide dp*cp="),
+    (["--cluster", "1x4xcpu", "--ep", "3"], "error: plan.ep=3: --ep must divide model.experts=4; valid: 1, 2, 4"),
+    (["--cluster", "1x4xcpu", "--ep", "2", "--etp", "4"], "error: plan.ep=2: --ep x --etp = 8 must divide "
+     "tp*cp*dp=4"),
 ])
 def test_bad_moe_layouts_stop_with_one_line(capsys, argv, message):
     assert main(["train", "--device", "cpu", "--model", "tiny-moe", *argv]) == 2

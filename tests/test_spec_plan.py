@@ -137,8 +137,9 @@ def test_ulysses_needs_heads_divisible_by_cp():
 def test_moe_expert_parallel():
     plan = make(model="mixtral-8x7b", cluster="2x8xH100", dp=4, tp=4, ep=4, global_batch=16)
     assert plan.ep == 4
-    with pytest.raises(SpecError, match="must divide dp\\*cp=4"):
-        make(model="mixtral-8x7b", cluster="2x8xH100", dp=4, tp=4, ep=8, global_batch=16)
+    assert make(model="mixtral-8x7b", cluster="2x8xH100", dp=4, tp=4, ep=8, global_batch=16).ep == 8  # spans tp
+    with pytest.raises(SpecError, match="--ep x --etp = 32 must divide tp\\*cp\\*dp=16"):
+        make(model="mixtral-8x7b", cluster="2x8xH100", dp=4, tp=4, ep=8, etp=4, global_batch=16)
 
 
 def test_load_plan_errors(tmp_path):

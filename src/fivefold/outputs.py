@@ -84,17 +84,17 @@ def check_metrics_file(path: str | os.PathLike, flag: str = "--metrics-file") ->
     return file
 
 
-def check_distinct_paths(paths: dict[str, str | None]) -> None:
-    """No two of the paths a command reads and writes are the same file or folder, and no output is written
-    inside an input file's place: {flag: path}, None for a flag not given."""
-    seen: dict[Path, str] = {}
-    for flag, path in paths.items():
+def check_distinct_paths(outputs: list[tuple[str, str | None]], inputs: list[tuple[str, str | None]]) -> None:
+    """No output is the same file or folder as another output or as an input (inputs may repeat: reading a
+    file twice harms nothing): (flag, path) pairs, None for a flag not given."""
+    seen: dict[Path, tuple[str, bool]] = {}  # path -> (first flag, whether it is an output)
+    for number, (flag, path) in enumerate(outputs + inputs):
         if not path:
             continue
         resolved = Path(path).resolve()
-        if resolved in seen:
-            raise SpecError(flag, path, f"is the same path as {seen[resolved]}; give each its own place")
-        seen[resolved] = flag
+        if resolved in seen and (number < len(outputs) or seen[resolved][1]):
+            raise SpecError(flag, path, f"is the same path as {seen[resolved][0]}; give each its own place")
+        seen.setdefault(resolved, (flag, number < len(outputs)))
 
 
 def make_parents(path: str | os.PathLike, flag: str) -> Path:

@@ -215,6 +215,7 @@ def check_info_shape(info: object, source: str) -> None:
     loader.count("seq_len")
     loader.count("samples_seen", minimum=0, limit=2**63 - 1)
     state.table("lr_schedule", {})
+    state.table("optimizer", {})  # the optimizer settings a resume must repeat (resume.check_resumable)
 
 
 @contextmanager

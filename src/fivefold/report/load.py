@@ -28,7 +28,7 @@ TRACE_FILE = "trace.jsonl"  # the name runtime/trace.py writes
 REQUIRED_FIELDS = ("step", "step_time_s", "tokens_per_s", "mfu", "peak_memory_gib")
 # Numbers a record may hold beyond REQUIRED_FIELDS (loss and grad_norm are NaN on a bad step).
 LOGGED_NUMBERS = ("loss", "grad_norm", "lr", "tokens", "wall_time", "aux_loss", "expert_rank_imbalance",
-                  "expert_rank_imbalance_median", "expert_load_max_over_mean")
+                  "expert_rank_imbalance_median", "expert_load_max_over_mean", "eval_loss", "eval_perplexity")
 SPAN_FIELDS = ("rank", "step", "kind", "stage", "micro_batch", "start", "end")
 
 

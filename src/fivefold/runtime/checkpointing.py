@@ -174,7 +174,8 @@ class Checkpointer:
 
     def train_state(self, step: int) -> dict:
         """Plain ints and strings, the same on every rank; written into fivefold.json by rank 0."""
-        return {"step": step, "loader": self.loader.state_dict(), "lr_schedule": self.schedule()}
+        return {"step": step, "loader": self.loader.state_dict(), "lr_schedule": self.schedule(),
+                "optimizer": self.config.optimizer_record()}
 
     def key(self, name: str) -> str:
         """Where this rank's "model" / "optimizer" state lives: DiLoCo's outer groups keep their own."""

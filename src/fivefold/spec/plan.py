@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from fivefold.errors import SpecError, require
 from fivefold.spec.checks import MAX_COUNT, check_table, divisors, is_int
 from fivefold.spec.cluster import ClusterSpec, cluster_from_dict
+from fivefold.spec.folding import ExpertRanks, check_folding
 from fivefold.spec.model import ModelSpec, model_from_dict
 from fivefold.spec.train import TrainSpec, train_from_dict
 from fivefold.spec.units import read_toml_file
@@ -130,7 +131,7 @@ def default_layers_per_stage(layers: int, stages: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class Plan(MeshRanks):
+class Plan(MeshRanks, ExpertRanks):
     model: ModelSpec  # what is trained
     cluster: ClusterSpec  # where it is trained
     train: TrainSpec  # sequence length, global batch, dtype, optimizer
@@ -139,7 +140,8 @@ class Plan(MeshRanks):
     pp: int = 1  # pipeline-parallel degree (ranks per pipeline)
     cp: int = 1  # context-parallel degree (sequence split inside attention)
     cp_method: str = "allgather"  # allgather (K/V all-gathered) | ulysses (all-to-all sequence <-> heads)
-    ep: int = 1  # expert-parallel degree, carved out of dp x cp (MoE only)
+    ep: int = 1  # expert-parallel degree, folded over tp x cp x dp (MoE only; spec/folding.py)
+    etp: int = 1  # expert tensor-parallel degree: each expert's matrices split over etp ranks (MoE only)
     zero: int = 0  # 0 = replicated, 1 = optimizer, 2 = +gradients, 3 = +parameters (FSDP)
     micro_batch: int = 1  # sequences per micro-batch on one replica
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zb-h1 | zbv
@@ -190,6 +192,8 @@ class Plan(MeshRanks):
             parts.append(f"cp{self.cp}" + ("-ulysses" if self.cp_method == "ulysses" else ""))
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.etp > 1:
+            parts.append(f"etp{self.etp}")
         text = " ".join(parts) + f" mb{self.micro_batch}x{self.num_micro_batches}"
         if self.pp > 1:
             text += f" {self.schedule}" + (f"(v{self.virtual_stages})" if self.virtual_stages > 1 else "")
@@ -199,7 +203,7 @@ class Plan(MeshRanks):
     # --- validation ---------------------------------------------------------------------------
     def check_degrees(self) -> None:
         """Integers (not booleans or floats) in range, so the derived quantities can be computed."""
-        for dim in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "virtual_stages", "zero", "version"):
+        for dim in ("dp", "tp", "pp", "cp", "ep", "etp", "micro_batch", "virtual_stages", "zero", "version"):
             value = getattr(self, dim)
             require(is_int(value), f"plan.{dim}", value, f"must be an integer, not a {type(value).__name__}")
             if dim not in ("zero", "version"):
@@ -248,12 +252,7 @@ class Plan(MeshRanks):
             beyond = f"; context parallel (cp={self.cp}) does not lift that limit" if self.cp > 1 else ""
             raise SpecError("train.seq_len", t.seq_len, f"longer than {table} (model.max_seq_len={m.max_seq_len})"
                             f"{beyond}; use --seq-len {m.max_seq_len} or less, or a model with a larger max_seq_len")
-        if m.is_moe:
-            require((self.dp * self.cp) % self.ep == 0, "plan.ep", self.ep,
-                    f"must divide dp*cp={self.dp * self.cp} (experts are spread over data-parallel ranks)")
-            require(m.experts % self.ep == 0, "plan.ep", self.ep, f"must divide model.experts={m.experts}")
-        else:
-            require(self.ep == 1, "plan.ep", self.ep, "expert parallelism needs an MoE model (model.experts > 0)")
+        check_folding(m, self.tp, self.cp, self.dp, self.ep, self.etp)
         require(self.zero in ZERO_LEVELS, "plan.zero", self.zero, "use 0, 1, 2 or 3 (3 = FSDP)")
         require(self.recompute in RECOMPUTE, "plan.recompute", self.recompute, f"use one of {', '.join(RECOMPUTE)}")
         require(self.schedule in SCHEDULES, "plan.schedule", self.schedule, f"use one of {', '.join(SCHEDULES)}")
