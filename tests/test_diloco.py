@@ -222,3 +222,18 @@ def test_dp_sync_bytes(runs):
     sent = {r["step"]: r["dp_sync_bytes"] for r in runs["streaming"]}
     assert sent[1] == sent[3] == sent[5] == 0
     assert sent[2] + sent[4] == pytest.approx(2 * params, rel=1e-6)
+
+
+def test_train_refuses_groups_that_do_not_split_dp(tmp_path):
+    """The plan-level check runs before any worker starts and writes nothing."""
+    import subprocess
+    import sys
+
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    done = subprocess.run([sys.executable, "-m", "fivefold", "train", "--model", "tiny", "--cluster", "1x2xcpu",
+                           "--dp", "2", "--seq-len", "32", "--dp-sync", "diloco", "--diloco-groups", "4",
+                           "--metrics-file", str(metrics)], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("error: --diloco-groups=4: must divide the plan's dp=2 (outer replicas are "
+                                   "blocks of dp replicas)")
+    assert not metrics.parent.exists()
