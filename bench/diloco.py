@@ -2,7 +2,7 @@
 
 `small` (8 layers, hidden 256, 5.9M parameters) on the built-in corpus, 2 outer groups of one CPU process
 each, the same global batch every step for every run: synchronous DP (DDP), DiLoCo with H in {5, 20, 50}
-(outer SGD lr 0.7, Nesterov momentum 0.9: the defaults) and Streaming DiLoCo (H 20, 4 fragments, overlap 1).
+(outer SGD lr 0.7, Nesterov momentum 0.9: the defaults; --outer-lr / --outer-momentum change them) and Streaming DiLoCo (H 20, 4 fragments, overlap 1).
 Prints the final loss (mean of the last 10 steps) against DDP's, the gap Charles et al. 2025 report at M = 2
 for their smallest model (cost/diloco.py loss_gap), and the dp bytes sent (sum of the runs' dp_sync_bytes);
 writes the loss curves to docs/images/diloco_convergence.png.
@@ -32,14 +32,16 @@ RUNS = {"DDP": {}, "DiLoCo H=5": {"dp_sync": "diloco", "sync_every": 5},
 TAIL = 10  # steps averaged for the final loss
 
 
-def train_all(steps: int, seq_len: int, global_batch: int, lr: float, folder: Path) -> dict[str, list[dict]]:
+def train_all(steps: int, seq_len: int, global_batch: int, lr: float, outer: dict, folder: Path
+              ) -> dict[str, list[dict]]:
     from fivefold.runtime import RunConfig, launch
 
     plan = Plan(model=PRESETS["small"], cluster=parse_cluster("1x1xcpu+1x1xcpu"),
                 train=TrainSpec(seq_len=seq_len, global_batch=global_batch, dtype="fp32"), dp=2,
                 micro_batch=global_batch // 2)
     configs = [RunConfig(plan.to_toml(), steps=steps, lr=lr, warmup_steps=max(1, steps // 20), device="cpu",
-                         show_progress=False, metrics_file=str(folder / f"run{i}.jsonl"), metrics_every=steps, **flags)
+                         show_progress=False, metrics_file=str(folder / f"run{i}.jsonl"), metrics_every=steps, **flags,
+                         **(outer if flags else {}))
                for i, flags in enumerate(RUNS.values())]
     launch(configs, 2)
     return {name: [json.loads(line) for line in Path(c.metrics_file).read_text().splitlines()]
@@ -74,10 +76,13 @@ def main() -> int:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs/images/diloco_convergence.png"))
+    parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--records", default=None, help="also write every run's metrics records here (JSON)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="diloco-bench-") as folder:
-        records = train_all(args.steps, args.seq_len, args.global_batch, args.lr, Path(folder))
+        records = train_all(args.steps, args.seq_len, args.global_batch, args.lr,
+                            {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}, Path(folder))
     if args.records:
         Path(args.records).write_text(json.dumps(records))
     plot(records, Path(args.out))
@@ -85,7 +90,8 @@ def main() -> int:
     ddp = sum(r["loss"] for r in records["DDP"][-TAIL:]) / TAIL
     ddp_bytes = sum(r["dp_sync_bytes"] for r in records["DDP"])
     print(f"small ({PRESETS['small'].num_params():,} parameters), 2 groups, {args.steps} steps of "
-          f"{args.global_batch} x {args.seq_len} tokens; paper gap at M = 2 (35M): {gap:+.1%}")
+          f"{args.global_batch} x {args.seq_len} tokens, outer lr {args.outer_lr}, outer momentum "
+          f"{args.outer_momentum}; paper gap at M = 2 (35M): {gap:+.1%}")
     print(f"{'run':<24} {'final loss':>10} {'vs DDP':>8} {'dp bytes sent':>15} {'bytes vs DDP':>13}")
     for name, rows in records.items():
         final = sum(r["loss"] for r in rows[-TAIL:]) / TAIL
