@@ -1,6 +1,6 @@
 """The `fivefold` command: parsing and printing only; the work lives in the modules.
 
-Verbs: plan, estimate, simulate, train, profile, report, convert. Any bad input ends with one line
+Verbs: plan, estimate, simulate, train, generate, serve, profile, report, convert. Any bad input ends with one line
 `error: FIELD=VALUE: what would be valid` on stderr and exit code 2.
 """
 
@@ -15,8 +15,8 @@ from fivefold.cliparse import OneLineParser, print_json_error, wants_json
 from fivefold.errors import FivefoldError, SpecError
 from fivefold.interrupt import Interrupted, sigterm_raises
 from fivefold.outputs import check_output_dir, check_output_file, make_dir, make_parents
-from fivefold.flags import (REPLAN_KEEPS, add_json_flag, add_layout_flags, add_run_flags, add_spec_flags,
-                            add_stack_flag, layout_from_args, plan_from_args, specs_from_args)
+from fivefold.flags import (REPLAN_KEEPS, add_json_flag, add_layout_flags, add_run_flags, add_serve_layout_flags,
+                            add_spec_flags, add_stack_flag, layout_from_args, plan_from_args, specs_from_args)
 
 EXIT_BAD_INPUT = 2
 EXIT_NOT_BUILT = 3
@@ -242,6 +242,29 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from fivefold.serve.generate import run_generate
+    from fivefold.serve.workers import WorkerDied
+
+    try:
+        summary = run_generate(args)
+    except WorkerDied as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print_json(summary)
+    else:
+        print(f"wrote {summary['requests']} completions ({summary['completion_tokens']} tokens, "
+              f"{summary['tokens_per_s']:,.1f} tokens/s) to {summary['output']}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from fivefold.serve.server import run_server
+
+    return run_server(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="fivefold",
@@ -300,6 +323,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_flags(p)
     add_json_flag(p)
 
+    p = verb("generate", "complete every prompt of a JSON-lines file (continuous batching over tp x pp x replicas)",
+             cmd_generate)
+    add_serve_verb_flags(p)
+    p.add_argument("--input", required=True, help="JSON lines, each {\"prompt\": text} or {\"prompt_ids\": [...]}")
+    p.add_argument("--output", required=True, help="JSON lines: completion_ids, text, finish_reason, timings")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt at most (default: 16)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; a token depends on (seed, line, position)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens even past an end token")
+    add_json_flag(p)
+
+    p = verb("serve", "an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)", cmd_serve)
+    add_serve_verb_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
+    p.add_argument("--max-queue", type=int, default=1024,
+                   help="requests waiting for a slot before new ones get HTTP 429 (default: 1024)")
+
     p = verb("profile", "measure this machine: GEMMs, memory bandwidth, collectives", cmd_profile)
     p.add_argument("--quick", action="store_true", help="a small grid, under a minute")
     p.add_argument("--nproc", type=int, default=2, help="processes for the collective measurements")
@@ -318,6 +360,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=False, default=None, help="output checkpoint or folder")
     add_json_flag(p)
     return parser
+
+
+def add_serve_verb_flags(p: argparse.ArgumentParser) -> None:
+    from fivefold.serve.options import add_model_flags
+
+    add_model_flags(p)
+    add_serve_layout_flags(p)
 
 
 def main(argv: list[str] | None = None) -> int:
