@@ -15,7 +15,8 @@ The rules (vLLM v1 / Orca / Sarathi-Serve):
   its prompt and the tokens it already generated again (vLLM's RECOMPUTE preemption). No request is admitted in a
   step that preempted;
 - pipeline parallel: a request in a step not yet finished (`update` not yet called) is "in flight" and skipped, so
-  pp steps of disjoint requests can be in flight at once.
+  pp steps of disjoint requests can be in flight at once; with `pipeline_depth` = pp a step takes at most
+  ceil(live requests / pp) of them, so the requests split into pp groups that keep every stage busy in decode.
 Written by hand because it must run without a model or torch, fast enough to replay 10^4 requests in seconds.
 """
 
@@ -81,8 +82,9 @@ class Step:
 class Scheduler:
     """Continuous batching over one replica's paged KV cache."""
 
-    def __init__(self, limits: BatchLimits) -> None:
+    def __init__(self, limits: BatchLimits, pipeline_depth: int = 1) -> None:
         self.limits = limits
+        self.pipeline_depth = pipeline_depth
         self.pool = BlockPool(limits.kv_blocks, limits.block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
@@ -139,8 +141,9 @@ class Scheduler:
         step = Step(number=self.steps)
         self.steps += 1
         budget = self.limits.max_tokens_per_step
+        cap = -(-len(self.sequences) // self.pipeline_depth)  # requests in this step at most
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(step) < cap:
             seq = self.running[index]
             if seq.in_flight:
                 index += 1
@@ -153,7 +156,7 @@ class Scheduler:
             index += 1
         if step.preempted:
             return step
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_batch:
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_batch and len(step) < cap:
             seq = self.waiting[0]
             count = min(seq.num_tokens - seq.computed, budget)
             if not self.pool.grow(seq.table, seq.computed + count):

@@ -67,7 +67,8 @@ class Engine:
         self.eos_ids = frozenset(eos_ids)
         self.max_context = max_context
         self.clock = clock
-        self.schedulers = [Scheduler(layout.limits) for _ in range(layout.replicas)]
+        self.schedulers = [Scheduler(layout.limits, layout.pp) for _ in range(layout.replicas)]
+        self.most_in_flight = 0  # steps in flight at once on a replica, at most (pp when the pipeline is full)
         self.in_flight: list[deque[tuple[Step, StepBatch]]] = [deque() for _ in range(layout.replicas)]
         self.requests: dict[str, Request] = {}
         self.generated_tokens = 0
@@ -113,6 +114,7 @@ class Engine:
                 batch = self._batch(replica, step)
                 self.in_flight[replica].append((step, batch))
                 self.executor.submit(batch)
+                self.most_in_flight = max(self.most_in_flight, len(self.in_flight[replica]))
                 progress = True
         if any(self.in_flight):
             for replica, number, logits in self.executor.poll(wait):

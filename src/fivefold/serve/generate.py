@@ -99,10 +99,10 @@ def run_generate(args: argparse.Namespace) -> dict:
             if finished != done:
                 done = finished
                 _progress(progress, done, engine, loaded)
+        elapsed = time.perf_counter() - loaded
         progress.close()
     finally:
         executor.close()
-    elapsed = time.perf_counter() - loaded
     out = make_parents(args.output, "--output")
     with out.open("w") as handle:
         for request in requests:

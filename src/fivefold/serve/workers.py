@@ -6,7 +6,7 @@ states from the same tp rank of stage s - 1 (point to point), computes its layer
 after attention and after the MLP), and sends them on; the last stage's tp rank 0 returns the sampled rows' logits.
 A stage takes the next batch as soon as it has sent this one on, so pp steps are in flight at once.
 
-Processes are started with multiprocessing (spawn) rather than torch's elastic agent as `train` is: the engine
+Processes are started with multiprocessing (a fork server) rather than torch's elastic agent as `train` is: the engine
 must keep talking to its workers (queues) while they live, and elastic_launch only returns when they end."""
 
 from __future__ import annotations
@@ -99,7 +99,11 @@ class WorkerPool:
     """tp x pp processes per replica; `submit` a StepBatch, `poll` the logits of finished steps."""
 
     def __init__(self, source: ModelSource, layout: ServeLayout, device: str = "cpu") -> None:
-        context = mp.get_context("spawn")
+        # A fork server that has imported torch and this module once forks each worker in milliseconds (a spawned
+        # worker imports torch anew, seconds each on a busy machine); it is a fresh process, so no thread of the
+        # engine's (the HTTP server's) is forked.
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(["fivefold.serve.workers"])
         self.layout = layout
         self.results = context.Queue()
         self.inboxes: list[list] = []
