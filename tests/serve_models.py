@@ -60,3 +60,21 @@ def write_prompts(path: Path, prompt_ids: list[list[int]]) -> Path:
 
 def read_outputs(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}assistant"
+
+
+def save_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer over the 96 ids ("<s>", "<unk>", "user", "assistant", "system", w5 ... w94,
+    "</s>" = 95) with a chat template, saved as transformers saves one."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<s>", "<unk>", "user", "assistant", "system"] + [f"w{i}" for i in range(5, 95)] + ["</s>"]
+    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                                unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
