@@ -62,6 +62,7 @@ def read_outputs(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+WORDS = ["<s>", "<unk>", "user", "assistant", "system"] + [f"w{i}" for i in range(5, 95)] + ["</s>"]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}assistant"
 
 
@@ -71,10 +72,14 @@ def save_tokenizer(folder: Path) -> None:
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    words = ["<s>", "<unk>", "user", "assistant", "system"] + [f"w{i}" for i in range(5, 95)] + ["</s>"]
-    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
                                                 unk_token="<unk>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(folder)
+
+
+def words(ids: list[int]) -> str:
+    """What the tokenizer of save_tokenizer decodes `ids` to (special tokens skipped)."""
+    return " ".join(WORDS[i] for i in ids if i not in (0, 1, 95))

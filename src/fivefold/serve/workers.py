@@ -142,16 +142,19 @@ class WorkerPool:
                 items.append(self.results.get_nowait())
         except queue.Empty:
             pass
-        for kind, replica, rank, message in items:
-            if kind == "error":
+        errors = [f"worker replica {replica} rank {rank} failed: {message}"
+                  for kind, replica, rank, message in items if kind == "error"]
+        if errors or not items:
+            if errors:  # a peer's error is often the echo of a worker that died: name the dead one instead
+                time.sleep(0.5)
+            dead = [(name, process.exitcode) for name, process in self.processes
+                    if not process.is_alive() and not (errors and process.exitcode == 1)]
+            if dead or errors:
                 self.close()
-                raise WorkerDied(f"worker replica {replica} rank {rank} failed: {message}")
-        if not items:
-            for name, process in self.processes:
-                if not process.is_alive():
-                    code = process.exitcode
-                    self.close()
+                if dead:
+                    name, code = dead[0]
                     raise WorkerDied(f"worker {name} exited (exit code {code})")
+                raise WorkerDied(errors[0][:300])
         return items
 
     def submit(self, batch: StepBatch) -> None:
