@@ -114,3 +114,32 @@ def test_bad_generate_input_is_one_line_and_exit_2(llama, tmp_path, capsys, flag
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_text_prompts_use_the_folders_tokenizer(llama, tmp_path):
+    import shutil
+
+    from serve_models import save_tokenizer, words
+
+    model, folder = llama
+    shutil.copytree(folder, tmp_path / "with-tokenizer")
+    save_tokenizer(tmp_path / "with-tokenizer")
+    (tmp_path / "in.jsonl").write_text('{"prompt": "w5 w6 w7"}\n{"prompt_ids": [8, 9]}\n')
+    assert main(["generate", "--from-hf", str(tmp_path / "with-tokenizer"), "--input", str(tmp_path / "in.jsonl"),
+                 "--output", str(tmp_path / "out.jsonl"), "--max-tokens", "6"]) == 0
+    first, second = read_outputs(tmp_path / "out.jsonl")
+    assert first["completion_ids"] == hf_greedy(model, [5, 6, 7], 6) and first["text"] == words(first["completion_ids"])
+    assert second["completion_ids"] == hf_greedy(model, [8, 9], 6) and second["text"] == words(second["completion_ids"])
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--port", "70000"], "error: --port=70000: must be in 0..65535"),
+    (["--max-queue", "0"], "error: --max-queue=0: must be at least 1"),
+    (["--pp", "3"], "error: --pp=3: must be at most the model's 2 layers"),
+    (["--kv-dtype", "fp8"], "error: --kv-dtype='fp8': the runtime keeps the KV cache in one of fp32, bf16, fp16"),
+])
+def test_bad_serve_flags_are_one_line_and_exit_2_before_anything_starts(llama, capsys, flags, expected):
+    _, folder = llama
+    assert main(["serve", "--from-hf", str(folder), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err, err

@@ -74,44 +74,67 @@ def open_source(from_hf: str | None, checkpoint: str | None) -> ModelSource:
 
 
 class TextCodec:
-    """The folder's tokenizer (transformers' AutoTokenizer, from local files only) and its chat template."""
+    """The folder's tokenizer.json (the `tokenizers` library) and chat template (jinja2, rendered as transformers
+    renders it: a sandbox, trim_blocks/lstrip_blocks, messages, bos/eos tokens, add_generation_prompt). Read
+    directly rather than through transformers' AutoTokenizer, whose import takes seconds of a server's start."""
 
     def __init__(self, folder: str) -> None:
-        from transformers import AutoTokenizer
+        from tokenizers import Tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        path = Path(folder)
+        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        config = {}
+        if (path / "tokenizer_config.json").is_file():
+            config = json.loads((path / "tokenizer_config.json").read_text())
+        template = config.get("chat_template")
+        if (path / "chat_template.jinja").is_file():  # transformers >= 4.43 writes the template here
+            template = (path / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # several named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.template = template
+        self.special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")}
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=True))
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=special).ids)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
+        return bool(self.template)
 
     def chat(self, messages: list[dict]) -> list[int]:
         """Token ids of `messages` under the chat template, ready for the assistant's answer."""
-        if self.has_chat_template:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-                ids = ids["input_ids"]
-            return [int(i) for i in ids]
-        # No template: the turns as plain "role: content" lines, then the assistant's turn.
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-        return self.encode(text)
+        if not self.template:  # no template: the turns as plain "role: content" lines, then the assistant's turn
+            return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:")
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        environment.globals["raise_exception"] = raise_exception
+        text = environment.from_string(self.template).render(messages=messages, add_generation_prompt=True,
+                                                             **self.special)
+        return self.encode(text, special=False)  # the template writes its own special tokens
+
+
+def _token_text(value) -> str:
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return "" if value is None else str(value)
 
 
 def open_codec(source: ModelSource) -> TextCodec | None:
-    """The tokenizer of a Hugging Face folder that ships one; None otherwise (token ids only)."""
+    """The tokenizer of a Hugging Face folder that ships a tokenizer.json; None otherwise (token ids only)."""
     if source.kind != "hf":
         return None
     folder = Path(source.path)
-    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json",
-                                                      "tokenizer.model")):
-        return None
+    if not (folder / "tokenizer.json").is_file():
+        return None  # (a sentencepiece-only folder: convert it with transformers to get a tokenizer.json)
     try:
         return TextCodec(source.path)
-    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for a broken tokenizer folder
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for a broken file
         raise SpecError("--from-hf", source.path, f"its tokenizer cannot be read ({str(exc)[:100]})") from None
