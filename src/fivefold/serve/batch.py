@@ -28,42 +28,64 @@ class StepBatch:
 
 
 @dataclass
+class AttentionGroup:
+    """Requests whose queries are padded to one length for one attention call: all the decodes (one query each)
+    together, and each prefill chunk alone, so a decode never pays for a long prompt's padding."""
+
+    rows: torch.Tensor  # [t] the group's tokens in the step's flat order
+    token_request: torch.Tensor  # [t] request of each token, within the group
+    token_offset: torch.Tensor  # [t] its place in the request's query
+    context_slots: torch.Tensor  # [b, L] cache rows of each request's keys 0..L-1 (padding reads row 0, masked)
+    mask: torch.Tensor  # [b, 1, Q, L] True where query q of request i may see key l
+    batch: int
+    max_query: int
+
+
+@dataclass
 class BatchIndex:
     """Index tensors of one step, shared by every layer of a stage."""
 
     positions: torch.Tensor  # [T]
     slots: torch.Tensor  # [T] cache row each new token's K/V is written to
-    token_request: torch.Tensor  # [T] request of each token
-    token_offset: torch.Tensor  # [T] its place in the request's query
-    context_slots: torch.Tensor  # [B, L] cache rows of each request's keys, 0..L-1 (padding reads row 0, masked)
-    mask: torch.Tensor  # [B, 1, Q, L] True where query q of request b may see key l
+    groups: list[AttentionGroup]
     sample_rows: torch.Tensor  # [S]
-    batch: int
-    max_query: int
+
+
+def _group(step: StepBatch, members: list[int], starts: list[int], block_size: int,
+           device: torch.device) -> AttentionGroup:
+    query_lens = [step.query_lens[i] for i in members]
+    context_lens = torch.tensor([step.context_lens[i] for i in members], dtype=torch.long)
+    batch, max_query, max_context = len(members), max(query_lens), int(context_lens.max())
+    widest = max(len(step.block_tables[i]) for i in members)
+    tables = torch.zeros(batch, widest, dtype=torch.long)
+    for row, i in enumerate(members):
+        tables[row, :len(step.block_tables[i])] = torch.tensor(step.block_tables[i], dtype=torch.long)
+    rows = torch.cat([torch.arange(starts[i], starts[i] + step.query_lens[i]) for i in members])
+    token_request = torch.repeat_interleave(torch.arange(batch), torch.tensor(query_lens))
+    token_offset = torch.cat([torch.arange(n) for n in query_lens])
+    key_positions = torch.arange(max_context)
+    valid_key = key_positions[None, :] < context_lens[:, None]
+    context_slots = torch.where(valid_key, tables[:, key_positions // block_size] * block_size
+                                + key_positions % block_size, 0)
+    # A request's queries are its last query_len positions: query q sits at context_len - query_len + q.
+    query_positions = (context_lens[:, None] - torch.tensor(query_lens)[:, None] + torch.arange(max_query)[None, :])
+    mask = (key_positions[None, None, :] <= query_positions[:, :, None]) & valid_key[:, None, :]
+    return AttentionGroup(rows.to(device), token_request.to(device), token_offset.to(device),
+                          context_slots.to(device), mask[:, None].to(device), batch, max_query)
 
 
 def build_index(step: StepBatch, block_size: int, device: torch.device) -> BatchIndex:
     """The paged-attention indices: slot = block_table[position // block_size] * block_size + position % block_size."""
-    batch = len(step.query_lens)
-    max_query, max_context = max(step.query_lens), max(step.context_lens)
-    widest = max(len(table) for table in step.block_tables)
-    tables = torch.zeros(batch, widest, dtype=torch.long)
-    for row, table in enumerate(step.block_tables):
-        tables[row, :len(table)] = torch.tensor(table, dtype=torch.long)
-    query_lens = torch.tensor(step.query_lens, dtype=torch.long)
-    context_lens = torch.tensor(step.context_lens, dtype=torch.long)
+    starts, total = [], 0
+    for count in step.query_lens:
+        starts.append(total)
+        total += count
     positions = torch.tensor(step.positions, dtype=torch.long)
-    token_request = torch.repeat_interleave(torch.arange(batch), query_lens)
-    starts = torch.cumsum(query_lens, 0) - query_lens
-    token_offset = torch.arange(len(positions)) - starts[token_request]
-    slots = tables[token_request, positions // block_size] * block_size + positions % block_size
-    key_positions = torch.arange(max_context)
-    key_blocks = tables[:, key_positions // block_size]  # [B, L]
-    valid_key = key_positions[None, :] < context_lens[:, None]
-    context_slots = torch.where(valid_key, key_blocks * block_size + key_positions % block_size, 0)
-    query_positions = torch.zeros(batch, max_query, dtype=torch.long)  # padded queries sit at position 0
-    query_positions[token_request, token_offset] = positions
-    mask = (key_positions[None, None, :] <= query_positions[:, :, None]) & valid_key[:, None, :]
-    return BatchIndex(positions.to(device), slots.to(device), token_request.to(device), token_offset.to(device),
-                      context_slots.to(device), mask[:, None].to(device),
-                      torch.tensor(step.sample_rows, dtype=torch.long, device=device), batch, max_query)
+    slot_list = []
+    for table, start, count in zip(step.block_tables, step.context_lens, step.query_lens):
+        slot_list += [table[p // block_size] * block_size + p % block_size for p in range(start - count, start)]
+    decodes = [i for i, n in enumerate(step.query_lens) if n == 1]
+    prefills = [[i] for i, n in enumerate(step.query_lens) if n > 1]
+    groups = [_group(step, members, starts, block_size, device) for members in ([decodes] if decodes else []) + prefills]
+    return BatchIndex(positions.to(device), torch.tensor(slot_list, dtype=torch.long, device=device), groups,
+                      torch.tensor(step.sample_rows, dtype=torch.long, device=device))

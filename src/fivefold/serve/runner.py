@@ -110,10 +110,12 @@ class StageRunner:
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
         self.cache.write(layer_id, index.slots, k, v)
-        keys, values = self.cache.read(layer_id, index.context_slots, q.dtype)
-        queries = q.new_zeros(index.batch, index.max_query, q.shape[1], d)
-        queries[index.token_request, index.token_offset] = q
-        out = attend(queries, keys, values, index.mask)[index.token_request, index.token_offset]
+        out = torch.empty_like(q)
+        for group in index.groups:
+            keys, values = self.cache.read(layer_id, group.context_slots, q.dtype)
+            queries = q.new_zeros(group.batch, group.max_query, q.shape[1], d)
+            queries[group.token_request, group.token_offset] = q[group.rows]
+            out[group.rows] = attend(queries, keys, values, group.mask)[group.token_request, group.token_offset]
         return self._reduce(attention.wo(out.reshape(tokens, -1)))
 
     @torch.inference_mode()
