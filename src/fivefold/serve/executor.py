@@ -8,16 +8,14 @@ from __future__ import annotations
 import torch
 
 from fivefold.serve.batch import StepBatch
-from fivefold.serve.runner import TORCH_DTYPES, StageRunner
+from fivefold.serve.runner import build_runner
 from fivefold.serve.source import ModelSource
 from fivefold.spec.serve import ServeLayout
 
 
 class LocalExecutor:
-    def __init__(self, source: ModelSource, layout: ServeLayout, device: str = "cpu") -> None:
-        self.runner = StageRunner(source.spec, source.load_state_dict(), kv_blocks=layout.limits.kv_blocks,
-                                  block_size=layout.limits.block_size, dtype=TORCH_DTYPES[layout.dtype],
-                                  kv_dtype=TORCH_DTYPES[layout.kv_dtype], device=device)
+    def __init__(self, source: ModelSource, layout: ServeLayout, device: str = "cpu", memory_window: int = 0) -> None:
+        self.runner = build_runner(source, layout, device=device, memory_window=memory_window)
         self._done: list[tuple[int, int, torch.Tensor]] = []
 
     def submit(self, batch: StepBatch) -> None:
@@ -28,13 +26,13 @@ class LocalExecutor:
         return done
 
     def close(self) -> None:
-        pass
+        self.runner.close()
 
 
-def make_executor(source: ModelSource, layout: ServeLayout, device: str = "cpu"):
+def make_executor(source: ModelSource, layout: ServeLayout, device: str = "cpu", memory_window: int = 0):
     """In this process when one rank holds the whole model, else worker processes."""
     if layout.devices == 1:
-        return LocalExecutor(source, layout, device)
+        return LocalExecutor(source, layout, device, memory_window)
     from fivefold.serve.workers import WorkerPool
 
-    return WorkerPool(source, layout, device)
+    return WorkerPool(source, layout, device, memory_window)

@@ -81,7 +81,7 @@ def run_generate(args: argparse.Namespace) -> dict:
     from fivefold.runtime.metrics import Progress
 
     started = time.perf_counter()
-    executor = make_executor(source, layout, args.device)
+    executor = make_executor(source, layout, args.device, args.memory_window)
     try:
         engine = Engine(executor, layout, eos_ids=() if args.ignore_eos else source.eos_ids,
                         max_context=source.spec.max_seq_len)

@@ -20,6 +20,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="default: cpu")
     parser.add_argument("--dtype", choices=list(RUNTIME_DTYPES), default=None,
                         help="weights and compute (default: fp32 on cpu, bf16 on cuda)")
+    parser.add_argument("--memory-window", type=int, default=0, metavar="K",
+                        help="keep only K layers' weights resident per worker, reading the next ones from the "
+                             "safetensors files in the background while the current ones compute (--from-hf; "
+                             "default: 0, every weight resident)")
 
 
 def layout_from_serve_args(args: argparse.Namespace, model: ModelSpec) -> ServeLayout:
@@ -43,6 +47,10 @@ def layout_from_serve_args(args: argparse.Namespace, model: ModelSpec) -> ServeL
     layout = ServeLayout(tp=tp, pp=pp, replicas=args.replicas or 1, ep=args.ep or 1, dtype=dtype,
                          kv_dtype=kv_dtype, limits=limits)
     layout.check_model(model)
+    require(args.memory_window >= 0, "--memory-window", args.memory_window, "must be 0 (off) or a number of layers")
+    require(not args.memory_window or args.from_hf, "--memory-window", args.memory_window,
+            "reads layers from a Hugging Face folder's safetensors files; give --from-hf (fivefold convert --to-hf "
+            "turns a checkpoint into one)")
     require(model.sliding_window == 0, "model.sliding_window", model.sliding_window,
             "sliding-window attention is not built by fivefold's models")
     if args.device == "cpu":

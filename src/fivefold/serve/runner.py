@@ -19,6 +19,9 @@ from fivefold.models.transformer import rotate_half, rope_cos_sin
 from fivefold.serve.batch import BatchIndex, StepBatch, build_index
 from fivefold.serve.kv_cache import PagedKVCache
 from fivefold.serve.shard import kv_head_range, shard_state_dict, stage_layers
+from fivefold.serve.source import ModelSource
+from fivefold.serve.window import LayerStream, SafetensorsLayers
+from fivefold.spec.serve import ServeLayout
 from fivefold.spec import ModelSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -61,12 +64,14 @@ class StageRunner:
     def __init__(self, spec: ModelSpec, state: dict, *, stage: int = 0, pp: int = 1, tp: int = 1, tp_rank: int = 0,
                  ep: int = 1, kv_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", kv_dtype: torch.dtype | None = None,
-                 all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
+                 all_reduce: Callable[[torch.Tensor], None] | None = None,
+                 layer_reader: SafetensorsLayers | None = None, memory_window: int = 0) -> None:
         self.spec, self.tp, self.block_size = spec, tp, block_size
         self.device, self.dtype = torch.device(device), dtype
         self.layers = stage_layers(spec.layers, pp, stage)
         self.first, self.last = stage == 0, stage == pp - 1
         self.all_reduce = all_reduce
+        self.shard = dict(tp=tp, tp_rank=tp_rank, ep=ep)
         model = build_model(spec)  # on meta: the modules, no memory
         for key in list(model.layers.keys()):
             if int(key) not in self.layers:
@@ -78,7 +83,10 @@ class StageRunner:
         local = shard_state_dict(spec, state, self.layers, self.first, self.last, tp, tp_rank, ep)
         for name, tensor in local.items():
             _assign(model, name, tensor.to(device=self.device, dtype=dtype if tensor.is_floating_point() else None))
-        leftover = [name for name, p in model.named_parameters() if p.is_meta]
+        # --memory-window: the layers stay on meta until their turn comes (window.py reads them ahead)
+        self.stream = LayerStream(layer_reader.layer, self.layers, memory_window) if memory_window else None
+        leftover = [name for name, p in model.named_parameters() if p.is_meta
+                    and not (self.stream is not None and name.startswith("layers."))]
         if leftover:
             raise ValueError(f"weights missing for {leftover[:3]}")
         if ep > 1:
@@ -90,6 +98,24 @@ class StageRunner:
         kv_start, kv_end = kv_head_range(spec, tp, tp_rank)
         self.cache = PagedKVCache(self.layers, kv_blocks, block_size, kv_end - kv_start, spec.head_dim,
                                   kv_dtype or dtype, self.device)
+
+    def _bring(self, layer: int) -> None:
+        """This layer's weights from the reader thread (sliced for this rank) into its modules."""
+        read, weights = self.stream.take()
+        assert read == layer, (read, layer)
+        for name, tensor in shard_state_dict(self.spec, weights, [layer], False, False, **self.shard).items():
+            _assign(self.model, name, tensor.to(device=self.device, dtype=self.dtype))
+
+    def _drop(self, block: nn.Module) -> None:
+        for name, param in list(block.named_parameters()):
+            owner, _, attr = name.rpartition(".")
+            setattr(block.get_submodule(owner), attr, nn.Parameter(torch.empty(param.shape, device="meta"),
+                                                                 requires_grad=False))
+        self.stream.release()
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
 
     def _reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.all_reduce is not None:
@@ -130,8 +156,24 @@ class StageRunner:
         else:
             h = hidden.to(self.device, self.dtype)
         for key, block in model.layers.items():
+            if self.stream is not None:
+                self._bring(int(key))
             h = h + self._attention(int(key), block, block.attention_norm(h), index)
             h = h + self._reduce(block.feed_forward(block.ffn_norm(h)[None])[0])
+            if self.stream is not None:
+                self._drop(block)
         if not self.last:
             return h
         return model.output(model.norm(h[index.sample_rows])).float()
+
+
+def build_runner(source: ModelSource, layout: ServeLayout, *, stage: int = 0, tp_rank: int = 0,
+                 device: torch.device | str = "cpu", memory_window: int = 0,
+                 all_reduce: Callable[[torch.Tensor], None] | None = None) -> StageRunner:
+    """The runner of one worker: every weight read up front, or with --memory-window only the resident ones."""
+    reader = SafetensorsLayers(source.path, source.spec) if memory_window else None
+    state = reader.resident() if reader is not None else source.load_state_dict()
+    return StageRunner(source.spec, state, stage=stage, pp=layout.pp, tp=layout.tp, tp_rank=tp_rank, ep=layout.ep,
+                       kv_blocks=layout.limits.kv_blocks, block_size=layout.limits.block_size,
+                       dtype=TORCH_DTYPES[layout.dtype], kv_dtype=TORCH_DTYPES[layout.kv_dtype], device=device,
+                       all_reduce=all_reduce, layer_reader=reader, memory_window=memory_window)

@@ -48,7 +48,7 @@ def run_server(args: argparse.Namespace) -> int:
     from fivefold.serve.workers import WorkerDied
 
     try:
-        executor = make_executor(source, layout, args.device)
+        executor = make_executor(source, layout, args.device, args.memory_window)
     except WorkerDied as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

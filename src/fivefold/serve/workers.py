@@ -46,10 +46,11 @@ class WorkerPlace:
         return self.stage * layout.tp + self.tp_rank
 
 
-def _worker_main(source: ModelSource, layout: ServeLayout, place: WorkerPlace, inbox, results) -> None:
+def _worker_main(source: ModelSource, layout: ServeLayout, place: WorkerPlace, memory_window: int, inbox,
+                 results) -> None:
     import torch.distributed as dist
 
-    from fivefold.serve.runner import TORCH_DTYPES, StageRunner
+    from fivefold.serve.runner import TORCH_DTYPES, build_runner
 
     torch.set_num_threads(place.threads)
     rank, world = place.rank(layout), layout.tp * layout.pp
@@ -66,11 +67,9 @@ def _worker_main(source: ModelSource, layout: ServeLayout, place: WorkerPlace, i
                 if stage == place.stage:
                     tp_group = group
         dtype = TORCH_DTYPES[layout.dtype]
-        runner = StageRunner(source.spec, source.load_state_dict(), stage=place.stage, pp=layout.pp, tp=layout.tp,
-                             tp_rank=place.tp_rank, ep=layout.ep, kv_blocks=layout.limits.kv_blocks,
-                             block_size=layout.limits.block_size, dtype=dtype, kv_dtype=TORCH_DTYPES[layout.kv_dtype],
-                             device=device,
-                             all_reduce=(lambda t: dist.all_reduce(t, group=tp_group)) if tp_group else None)
+        runner = build_runner(source, layout, stage=place.stage, tp_rank=place.tp_rank, device=device,
+                              memory_window=memory_window,
+                              all_reduce=(lambda t: dist.all_reduce(t, group=tp_group)) if tp_group else None)
         results.put(("ready", place.replica, rank, None))
         while True:
             batch: StepBatch | None = inbox.get()
@@ -85,6 +84,7 @@ def _worker_main(source: ModelSource, layout: ServeLayout, place: WorkerPlace, i
                 dist.send(out.contiguous(), dst=rank + layout.tp)
             elif place.tp_rank == 0:
                 results.put(("logits", place.replica, batch.number, out.cpu().numpy()))
+        runner.close()
         if world > 1:
             dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the engine as one line, then the process ends
@@ -98,7 +98,7 @@ def _worker_main(source: ModelSource, layout: ServeLayout, place: WorkerPlace, i
 class WorkerPool:
     """tp x pp processes per replica; `submit` a StepBatch, `poll` the logits of finished steps."""
 
-    def __init__(self, source: ModelSource, layout: ServeLayout, device: str = "cpu") -> None:
+    def __init__(self, source: ModelSource, layout: ServeLayout, device: str = "cpu", memory_window: int = 0) -> None:
         # A fork server that has imported torch and this module once forks each worker in milliseconds (a spawned
         # worker imports torch anew, seconds each on a busy machine); it is a fresh process, so no thread of the
         # engine's (the HTTP server's) is forked.
@@ -117,7 +117,7 @@ class WorkerPool:
                 stage, tp_rank = divmod(rank, layout.tp)
                 place = WorkerPlace(replica, stage, tp_rank, port, device, replica * per_replica + rank, threads)
                 inbox = context.Queue()
-                process = context.Process(target=_worker_main, args=(source, layout, place, inbox, self.results),
+                process = context.Process(target=_worker_main, args=(source, layout, place, memory_window, inbox, self.results),
                                           daemon=True, name=f"fivefold-serve-r{replica}-{rank}")
                 process.start()
                 inboxes.append(inbox)
