@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fivefold.models import build_model
-from fivefold.models.attention import attend
 from fivefold.models.moe import MoE
 from fivefold.models.transformer import rotate_half, rope_cos_sin
 from fivefold.serve.batch import BatchIndex, StepBatch, build_index
@@ -46,6 +46,14 @@ class ExpertShare:
         out = rows.new_zeros(total, rows.shape[-1])
         out[start:end] = rows
         return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """models/attention.py's attend, with grouped-query heads left to the kernel (enable_gqa) instead of copying
+    each kv head for its query heads: the gathered context is the largest tensor of a decode step."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2)
 
 
 def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -141,7 +149,7 @@ class StageRunner:
             keys, values = self.cache.read(layer_id, group.context_slots, q.dtype)
             queries = q.new_zeros(group.batch, group.max_query, q.shape[1], d)
             queries[group.token_request, group.token_offset] = q[group.rows]
-            out[group.rows] = attend(queries, keys, values, group.mask)[group.token_request, group.token_offset]
+            out[group.rows] = _attend(queries, keys, values, group.mask)[group.token_request, group.token_offset]
         return self._reduce(attention.wo(out.reshape(tokens, -1)))
 
     @torch.inference_mode()
