@@ -143,3 +143,16 @@ def test_bad_serve_flags_are_one_line_and_exit_2_before_anything_starts(llama, c
     assert main(["serve", "--from-hf", str(folder), *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err, err
+
+
+def test_a_fivefold_checkpoint_generates_what_its_hf_folder_does(llama, tmp_path):
+    model, folder = llama
+    assert main(["convert", "--from-hf", str(folder), "--out", str(tmp_path / "ckpt")]) == 0
+    write_prompts(tmp_path / "in.jsonl", prompts(3, seed=4))
+    assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--input", str(tmp_path / "in.jsonl"),
+                 "--output", str(tmp_path / "out.jsonl"), "--max-tokens", "6"]) == 0
+    outputs = read_outputs(tmp_path / "out.jsonl")
+    assert [o["completion_ids"] for o in outputs] == [
+        hf_greedy(model, ids, 6) for ids in prompts(3, seed=4)]
+    assert all("text" not in o for o in outputs)  # a checkpoint carries no tokenizer
+
