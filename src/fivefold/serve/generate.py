@@ -92,12 +92,14 @@ def run_generate(args: argparse.Namespace) -> dict:
         loaded = time.perf_counter()
         for request in requests:
             engine.add(request)
-        done = 0
+        done, shown = 0, 0.0
         while engine.busy:
             engine.step()
             finished = sum(r.finish_reason is not None for r in requests)
-            if finished != done:
-                done = finished
+            # A bar on a terminal follows every request; a log gets a line every 2 s and the last one.
+            if finished != done and (progress.bar is not None or finished == len(requests)
+                                     or time.perf_counter() - shown > 2.0):
+                done, shown = finished, time.perf_counter()
                 _progress(progress, done, engine, loaded)
         elapsed = time.perf_counter() - loaded
         progress.close()
