@@ -17,15 +17,18 @@ import fivefold
 from fivefold.checkpoint.hf import save_hf, spec_from_hf_config
 from fivefold.models import build_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc (Linux)")]
 
 SRC = str(Path(fivefold.__file__).resolve().parents[1])
 CONFIG = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=1024,
               intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
               max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
-# Run `fivefold generate` in a fresh process and print its own peak resident memory (kB) as the last line.
-CHILD = ("import resource, sys; from fivefold.cli import main; code = main(sys.argv[1:]); "
-         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)")
+# Run `fivefold generate` in a fresh process and print its own peak resident memory (kB) as the last line:
+# VmHWM, not getrusage's ru_maxrss, which on Linux keeps the high-water mark of the forked copy of the parent.
+CHILD = ("import sys; from fivefold.cli import main; code = main(sys.argv[1:]); "
+         "print(next(line.split()[1] for line in open('/proc/self/status') if line.startswith('VmHWM'))); "
+         "sys.exit(code)")
 
 
 def generate(folder: Path, tmp: Path, *flags: str) -> tuple[list[list[int]], float]:
