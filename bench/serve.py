@@ -124,8 +124,8 @@ def main() -> None:
             rounds.append([run_transformers(model, requests, args.batch)]
                           + [run_fivefold(folder, requests, name, limits) for name in args.layouts.split(",")])
         rows = [min(runs, key=lambda row: row["seconds"]) for runs in zip(*rounds)]
-    print(f"best of {args.rounds} interleaved rounds; {args.requests} requests: prompts 8-384 tokens, outputs 8-128 tokens, {sum(n for _, n in requests)} "
-          f"output tokens; model {MODEL['num_hidden_layers']} layers x {MODEL['hidden_size']}, torch threads "
+    print(f"best of {args.rounds} interleaved rounds; {args.requests} requests: prompts 8-384 tokens, outputs "
+          f"8-128 tokens, {sum(n for _, n in requests)} output tokens; model {MODEL['num_hidden_layers']} layers x {MODEL['hidden_size']}, torch threads "
           f"{torch.get_num_threads()}")
     base, tp1 = rows[0]["tokens_per_s"], rows[1]["tokens_per_s"]
     print(f"{'run':34} {'s':>7} {'tok/s':>8} {'vs hf':>6} {'vs tp1':>6} {'TTFT p50/p90 s':>16} {'TPOT p50/p90 ms':>16}")

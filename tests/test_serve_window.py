@@ -35,7 +35,8 @@ def generate(folder: Path, tmp: Path, *flags: str) -> tuple[list[list[int]], flo
     out = tmp / f"out{len(flags)}.jsonl"
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     result = subprocess.run([sys.executable, "-c", CHILD, "generate", "--from-hf", str(folder), "--input",
-                             str(tmp / "in.jsonl"), "--output", str(out), "--max-tokens", "4", "--ignore-eos", "--kv-blocks", "16", *flags],
+                             str(tmp / "in.jsonl"), "--output", str(out), "--max-tokens", "4", "--ignore-eos",
+                             "--kv-blocks", "16", *flags],
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     peak_mib = int(result.stdout.strip().splitlines()[-1]) / 1024

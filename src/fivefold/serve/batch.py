@@ -86,6 +86,7 @@ def build_index(step: StepBatch, block_size: int, device: torch.device) -> Batch
         slot_list += [table[p // block_size] * block_size + p % block_size for p in range(start - count, start)]
     decodes = [i for i, n in enumerate(step.query_lens) if n == 1]
     prefills = [[i] for i, n in enumerate(step.query_lens) if n > 1]
-    groups = [_group(step, members, starts, block_size, device) for members in ([decodes] if decodes else []) + prefills]
+    groups = [_group(step, members, starts, block_size, device)
+              for members in ([decodes] if decodes else []) + prefills]
     return BatchIndex(positions.to(device), torch.tensor(slot_list, dtype=torch.long, device=device), groups,
                       torch.tensor(step.sample_rows, dtype=torch.long, device=device))

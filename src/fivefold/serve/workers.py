@@ -117,7 +117,8 @@ class WorkerPool:
                 stage, tp_rank = divmod(rank, layout.tp)
                 place = WorkerPlace(replica, stage, tp_rank, port, device, replica * per_replica + rank, threads)
                 inbox = context.Queue()
-                process = context.Process(target=_worker_main, args=(source, layout, place, memory_window, inbox, self.results),
+                process = context.Process(target=_worker_main,
+                                          args=(source, layout, place, memory_window, inbox, self.results),
                                           daemon=True, name=f"fivefold-serve-r{replica}-{rank}")
                 process.start()
                 inboxes.append(inbox)
