@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -52,6 +53,9 @@ def _worker_main(source: ModelSource, layout: ServeLayout, place: WorkerPlace, m
 
     from fivefold.serve.runner import TORCH_DTYPES, build_runner
 
+    # A terminal's Ctrl-C reaches the whole process group: the engine ends its workers itself (after `serve` has
+    # drained its requests), so the workers ignore it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(place.threads)
     rank, world = place.rank(layout), layout.tp * layout.pp
     try:
