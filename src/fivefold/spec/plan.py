@@ -44,13 +44,13 @@ def stage_owners(schedule: str, pp: int, virtual_stages: int) -> tuple[int, ...]
     return tuple(stage_owner(schedule, pp, stage) for stage in range(pp * virtual_stages))
 
 
-def reduced_by_ddp(dp: int, cp: int, tp: int, pp: int, zero: int, ep: int) -> bool:
+def reduced_by_ddp(dp: int, cp: int, tp: int, pp: int, zero: int, ep: int, etp: int = 1) -> bool:
     """Whether fivefold's runtime on CPU reduces this layout's gradients with DistributedDataParallel
     (bucketed, overlapped with backward) instead of FSDP2 / replicate per module: ZeRO-0 over dp x cp without
-    tp or pp, with experts either replicated (ep 1) or each rank's own (ep = dp*cp, no expert replicas).
-    runtime/parallelize.py runs it and cost/host.py costs it, both from this rule."""
+    tp or pp, with experts either replicated (ep = etp = 1) or each rank's own slice (ep x etp = dp*cp, no
+    expert replicas). runtime/parallelize.py runs it and cost/host.py costs it, both from this rule."""
     replicas = dp * cp
-    return replicas > 1 and zero == 0 and tp == pp == 1 and ep in (1, replicas)
+    return replicas > 1 and zero == 0 and tp == pp == 1 and ep * etp in (1, replicas)
 
 
 def reductions_overlap_on_cpu(dp: int, cp: int, tp: int, pp: int, zero: int, ep: int, micro_batches: int) -> bool:
