@@ -130,6 +130,17 @@ def default_layers_per_stage(layers: int, stages: int) -> tuple[int, ...]:
     return tuple(counts)
 
 
+def check_stage_layers(layers_per_stage: tuple[int, ...]) -> None:
+    """A stage may hold no transformer layer only when it still holds something: the first stage the
+    embedding, the last one the head (the Zero Bubble and vocabulary-parallel papers' layouts)."""
+    counts = list(layers_per_stage)
+    require(all(n >= 0 for n in counts), "plan.layers_per_stage", counts, "layer counts cannot be negative")
+    empty_middle = [s for s, n in enumerate(counts) if n == 0 and 0 < s < len(counts) - 1]
+    require(not empty_middle, "plan.layers_per_stage", counts,
+            f"stage {empty_middle[0] if empty_middle else 0} would hold nothing: only the first stage (embedding "
+            "alone) or the last (head alone) may have 0 layers")
+
+
 @dataclass(frozen=True)
 class Plan(MeshRanks, ExpertRanks):
     model: ModelSpec  # what is trained
@@ -267,12 +278,13 @@ class Plan(MeshRanks, ExpertRanks):
                     f"{self.schedule} uses 1; virtual stages need interleaved-1f1b or zbv")
         if self.sequence_parallel:
             require(self.tp > 1, "plan.sequence_parallel", True, "needs tp > 1")
-        require(m.layers >= self.num_stages, "plan.pp", self.pp,
-                f"pp x virtual_stages = {self.num_stages} stages but the model has {m.layers} layers")
+        if not self.layers_per_stage:
+            require(m.layers >= self.num_stages, "plan.pp", self.pp,
+                    f"pp x virtual_stages = {self.num_stages} stages but the model has {m.layers} layers; give "
+                    "--layers-per-stage with 0 for a stage holding only the embedding (first) or the head (last)")
         require(len(self.layers_per_stage) == self.num_stages, "plan.layers_per_stage", list(self.layers_per_stage),
                 f"needs one entry per stage ({self.num_stages} = pp x virtual_stages)")
-        require(all(isinstance(n, int) and n >= 1 for n in self.layers_per_stage), "plan.layers_per_stage",
-                list(self.layers_per_stage), "every stage needs at least one layer")
+        check_stage_layers(self.layers_per_stage)
         require(sum(self.layers_per_stage) == m.layers, "plan.layers_per_stage", list(self.layers_per_stage),
                 f"sums to {sum(self.layers_per_stage)} but model.layers={m.layers}")
         if self.replica_micro_batches:
