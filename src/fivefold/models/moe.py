@@ -65,11 +65,17 @@ class LocalTokens:
         return per_sequence
 
 
+def balanced_counts(copies: int, experts: int) -> list[int]:
+    """The balanced expectation of the copies each expert gets (the first experts take the remainder)."""
+    base, extra = divmod(copies, experts)
+    return [base + (expert < extra) for expert in range(experts)]
+
+
 class LocalDispatch:
     """All experts live here (no expert parallelism): rows go straight to the experts."""
 
-    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, list[int], object]:
-        return rows, counts.tolist(), None
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor | list[int]) -> tuple[torch.Tensor, list[int], object]:
+        return rows, counts if isinstance(counts, list) else counts.tolist(), None
 
     def combine(self, rows: torch.Tensor, state: object) -> torch.Tensor:
         return rows
@@ -150,6 +156,9 @@ class MoE(nn.Module):
         # wrapper of the router's and shared experts' weights (runtime/expert_folding.py sets both under tp).
         self.tokens: LocalTokens = LocalTokens()
         self.synced = unchanged
+        # The dry run (fake tensors, no values): every expert gets the balanced share of the copies, known
+        # without reading the router's choice (balanced_counts).
+        self.balanced = False
         # 1 / (MoE layers x sequences in the global batch): the runtime sets it so the auxiliary loss sums
         # over the global batch like the token loss; None = a mean over this call's sequences.
         self.aux_loss_scale: float | None = None
@@ -172,8 +181,12 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
 
         flat = chosen.flatten()
-        order = flat.argsort(stable=True)  # token copies grouped by expert, in token order within one
-        counts = torch.bincount(flat, minlength=self.experts_count)
+        if self.balanced:  # copies stand in expert order as they come; sizes from the count alone
+            order = torch.arange(flat.shape[0], device=flat.device)
+            counts: torch.Tensor | list[int] = balanced_counts(flat.shape[0], self.experts_count)
+        else:
+            order = flat.argsort(stable=True)  # token copies grouped by expert, in token order within one
+            counts = torch.bincount(flat, minlength=self.experts_count)
         rows = tokens[order // self.top_k]
         received, local_counts, state = self.dispatcher.dispatch(rows, counts)
         returned = self.dispatcher.combine(self.experts(received, local_counts), state)
@@ -184,6 +197,7 @@ class MoE(nn.Module):
         out = out.view(batch, seq, hidden)
 
         recording = torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1  # not a recompute
+        recording = recording and not self.balanced  # the dry run's stand-in routing has no statistics
         if recording:
             counted = counts.detach().to(torch.float64)
             self.load = counted if self.load is None else self.load + counted

@@ -50,14 +50,26 @@ def _by_expert(counts_by_source: torch.Tensor) -> torch.Tensor:
     return expert_of_row.argsort(stable=True)
 
 
+def _in_order(rows: int, device: torch.device) -> torch.Tensor:
+    """The dry run's stand-in for a permutation (same sizes, no values needed)."""
+    return torch.arange(rows, device=device)
+
+
 class AllToAllDispatch:
     """Send each token copy to the ep rank that owns its expert; bring the results back."""
 
-    def __init__(self, group: dist.ProcessGroup, ep: int, experts: int) -> None:
-        self.group, self.ep, self.local = group, ep, experts // ep
+    def __init__(self, group: dist.ProcessGroup, ep: int, experts: int, ep_index: int) -> None:
+        self.group, self.ep, self.local, self.ep_index = group, ep, experts // ep, ep_index
 
-    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, list[int], object]:
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor | list[int]) -> tuple[torch.Tensor, list[int], object]:
         # rows are sorted by expert, so the rows for ep rank r are one contiguous block.
+        if isinstance(counts, list):  # balanced (dry run): every source sends this rank its experts' share
+            in_splits = [sum(counts[r * self.local:(r + 1) * self.local]) for r in range(self.ep)]
+            mine = counts[self.ep_index * self.local:(self.ep_index + 1) * self.local]
+            out_splits = [sum(mine)] * self.ep
+            received = AllToAll.apply(rows, out_splits, in_splits, self.group)
+            order = _in_order(received.shape[0], rows.device)
+            return received[order], [n * self.ep for n in mine], (order, in_splits, out_splits)
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=self.group)  # [source rank, local expert]
         by_source = received_counts.view(self.ep, self.local)
@@ -79,7 +91,13 @@ class ExpertTensorParallel:
     def __init__(self, group: dist.ProcessGroup, etp: int) -> None:
         self.group, self.etp = group, etp
 
-    def gather(self, rows: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, list[int], object]:
+    def gather(self, rows: torch.Tensor, counts: list[int], balanced: bool = False
+               ) -> tuple[torch.Tensor, list[int], object]:
+        if balanced:  # dry run: every etp rank received the same balanced counts
+            sizes = [rows.shape[0]] * self.etp
+            gathered = AllToAll.apply(rows.repeat(self.etp, 1), sizes, sizes, self.group)
+            order = _in_order(gathered.shape[0], rows.device)
+            return gathered[order], [n * self.etp for n in counts], (order, sizes, rows.shape[0])
         mine = torch.tensor(counts, dtype=torch.int64, device=rows.device)
         every = mine.new_empty(self.etp * len(counts))
         dist.all_gather_single(every, mine, group=self.group)
@@ -101,13 +119,15 @@ class FoldedDispatch:
     def __init__(self, ep: AllToAllDispatch | None, etp: ExpertTensorParallel | None) -> None:
         self.ep, self.etp = ep, etp
 
-    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, list[int], object]:
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor | list[int]
+                 ) -> tuple[torch.Tensor, list[int], object]:
         ep_state = etp_state = None
-        local_counts = counts.tolist()
+        balanced = isinstance(counts, list)  # the dry run's balanced split (models/moe.py balanced_counts)
+        local_counts = counts if isinstance(counts, list) else counts.tolist()
         if self.ep is not None:
             rows, local_counts, ep_state = self.ep.dispatch(rows, counts)
         if self.etp is not None:
-            rows, local_counts, etp_state = self.etp.gather(rows, local_counts)
+            rows, local_counts, etp_state = self.etp.gather(rows, local_counts, balanced)
         return rows, local_counts, (ep_state, etp_state)
 
     def combine(self, rows: torch.Tensor, state: object) -> torch.Tensor:

@@ -101,7 +101,8 @@ def prepare_moe(model: nn.Module, plan: Plan, mesh: DeviceMesh | None, param_dty
             block.tokens, block.synced = tokens, tokens.synced
     if mesh is None:
         return
-    ep_dispatch = AllToAllDispatch(mesh.get_group("ep"), plan.ep, plan.model.experts) if plan.ep > 1 else None
+    ep_dispatch = (AllToAllDispatch(mesh.get_group("ep"), plan.ep, plan.model.experts, mesh.get_local_rank("ep"))
+                   if plan.ep > 1 else None)
     etp = ExpertTensorParallel(mesh.get_group("etp"), plan.etp) if plan.etp > 1 else None
     for block in moe_blocks(model):
         experts = block.experts

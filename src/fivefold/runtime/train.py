@@ -34,8 +34,8 @@ from fivefold.runtime.config import RunConfig, check_gpu_dtype
 from fivefold.runtime.context_parallel import (apply_context_parallel, data_parallel_mesh, positions_per_row,
                                                shard_batch, split_micro_batches)
 from fivefold.runtime.elastic_run import ElasticRun
-from fivefold.runtime.expert_parallel import (expert_mesh, folds_experts, forget_metadata_inference,
-                                              moe_step_metrics, prepare_moe, sequence_split)
+from fivefold.runtime.expert_parallel import (forget_metadata_inference, moe_step_metrics, prepare_moe,
+                                              sequence_split)
 from fivefold.runtime.knobs import NO_KNOBS, FaultKnobs
 from fivefold.runtime.mesh import Mesh, build_mesh, init_distributed, pick_device
 from fivefold.runtime.metrics import MetricsFile, Progress, StepMeter, summarize
@@ -75,7 +75,7 @@ def build_model_parts(plan: Plan, mesh: Mesh, seed: int, param_dtype: torch.dtyp
     (training on CPU): ZeRO-0 plain dp is left for DDP (train() wraps it after init) and ZeRO-1/2/3 reduce
     asynchronously (runtime/parallelize.py); the dry run keeps the GPU runtime's form."""
     parts = {}
-    moe_mesh = expert_mesh(plan, mesh.device) if folds_experts(plan) else None
+    moe_mesh = mesh.experts
     moe_tokens = sequence_split(plan, mesh.world) if plan.model.is_moe else None
     dp_mesh = data_parallel_mesh(mesh.world, plan) if plan.dp * plan.cp > 1 else None
     under_ddp = cpu_overlap and uses_ddp(plan, mesh.device)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from fivefold.errors import SpecError, require
 from fivefold.spec.checks import MAX_COUNT, check_table, divisors, is_int
 from fivefold.spec.cluster import ClusterSpec, cluster_from_dict
-from fivefold.spec.folding import ExpertRanks, check_folding
+from fivefold.spec.folding import ExpertRanks, check_folding, row_major_coords
 from fivefold.spec.model import ModelSpec, model_from_dict
 from fivefold.spec.train import TrainSpec, train_from_dict
 from fivefold.spec.units import read_toml_file
@@ -88,10 +88,7 @@ class MeshRanks:
 
     def coords(self, rank: int) -> dict[str, int]:
         """Mesh coordinates of a rank: {'pp': .., 'dp': .., 'cp': .., 'tp': ..}."""
-        out = {}
-        for dim in reversed(MESH_DIMS):
-            rank, out[dim] = divmod(rank, getattr(self, dim))
-        return {dim: out[dim] for dim in MESH_DIMS}
+        return row_major_coords(rank, MESH_DIMS, tuple(getattr(self, dim) for dim in MESH_DIMS))
 
     def rank_of(self, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
         return mesh_rank(self.dp, self.cp, self.tp, pp, dp, cp, tp)
