@@ -20,6 +20,7 @@ FOLDINGS: dict[str, dict] = {
     "pp2-tp2-ep2": dict(dp=1, pp=2, tp=2, ep=2, sequence_parallel=True, micro_batch=2),  # ep = the tp ranks
     "ep2-etp2-zero3": dict(dp=4, ep=2, etp=2, zero=3, micro_batch=1),  # etp over dp
     "cp2-ep2": dict(dp=2, cp=2, ep=2, micro_batch=2),  # ep = the cp ranks; auxiliary loss summed over cp
+    "etp4-ddp": dict(dp=4, etp=4, micro_batch=2),  # each expert over all 4 ranks; DDP leaves the experts out
 }
 # name -> (source run, its checkpoint resumed under these fields)
 RESUMES = {"tp2 ep4 -> ep2": ("tp2-ep4", dict(dp=4, ep=2, micro_batch=2)),
