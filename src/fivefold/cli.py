@@ -15,8 +15,9 @@ from fivefold.cliparse import OneLineParser, print_json_error, wants_json
 from fivefold.errors import FivefoldError, SpecError
 from fivefold.interrupt import Interrupted, sigterm_raises
 from fivefold.outputs import check_output_dir, check_output_file, make_dir, make_parents
+from fivefold.jobfile import add_job_flags, keep_job_file, parse_with_job_file
 from fivefold.flags import (REPLAN_KEEPS, add_json_flag, add_layout_flags, add_run_flags, add_spec_flags,
-                            add_stack_flag, layout_from_args, plan_from_args, specs_from_args)
+                            add_stack_flag, add_workload_flags, layout_from_args, plan_from_args, specs_from_args)
 
 EXIT_BAD_INPUT = 2
 EXIT_NOT_BUILT = 3
@@ -44,6 +45,13 @@ def console():
 # --- verbs -------------------------------------------------------------------------------------
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.serve:
+        from fivefold.serving_cli import cmd_plan_serve
+
+        return cmd_plan_serve(args, console, print_json)
+    from fivefold.serving_cli import check_serve_only_flags
+
+    check_serve_only_flags(args)
     from fivefold.cost import stack_named
     from fivefold.planner import Choices, search
     from fivefold.planner.render import plan_json, plan_renderables, plan_title
@@ -82,6 +90,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
+    if args.serve:
+        from fivefold.serving_cli import cmd_estimate_serve
+
+        return cmd_estimate_serve(args, console, print_json)
+    from fivefold.serving_cli import check_serve_only_flags
+
+    check_serve_only_flags(args)
     from fivefold.cost import estimate, stack_named
 
     plan = plan_from_args(args)
@@ -98,6 +113,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.serve:
+        from fivefold.serving_cli import cmd_simulate_serve
+
+        return cmd_simulate_serve(args, console, print_json)
+    from fivefold.serving_cli import check_serve_only_flags
+
+    check_serve_only_flags(args)
     from fivefold.cost import estimate as estimate_plan
     from fivefold.cost import stack_named
     from fivefold.sim import parse_stage_times, simulate_plan
@@ -147,6 +169,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from fivefold.runtime import RunConfig, launch, torchrun_command
     from fivefold.runtime.launch import WorkerFailed, check_launch_flags, nodes_of, run_torchrun_worker
     from fivefold.runtime.prepare import done_lines, prepare_run
+    from fivefold.runtime.slurm import print_slurm_script
 
     # Everything that can be wrong with the plan, the flags or the data fails here, before any process starts.
     config = RunConfig.from_flags(vars(args), progress_to_stderr=args.json)
@@ -155,12 +178,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_launch_flags(args.max_restarts)
     if args.init_from_hf:  # the folder's config.json decides the model
         plan = plan_for_hf(plan, args.init_from_hf, bool(args.plan), bool(args.layers_per_stage))
+    if args.slurm:  # the job for the cluster's scheduler, instead of training here
+        return print_slurm_script(plan, config)
     info = sys.stderr if args.json else sys.stdout
     # A re-plan for another world size keeps what the user fixed (with --plan: what the file says).
     fixed = None if args.plan else Choices(**{k: getattr(args, k) for k in REPLAN_KEEPS})
     run = prepare_run(plan, config, nproc=args.nproc, plan_file=args.plan, torchrun_worker=args.torchrun_worker,
                       fixed=fixed, say=lambda line: print(line, file=info, flush=True),
                       warn=lambda line: print(f"warning: {line}", file=sys.stderr))
+    keep_job_file(args, run.config.run_dir if run.torchrun_rank is None else None, info)  # fivefold/jobfile.py
     if run.torchrun_rank is not None:
         summary = run_torchrun_worker(run.config)
         if summary and args.json:
@@ -261,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb("plan", "search every dp x tp x pp x cp split and rank the layouts by predicted speed", cmd_plan)
     add_spec_flags(p)
     add_layout_flags(p, for_search=True)
+    add_workload_flags(p, for_search=True)
     p.add_argument("--top", type=int, default=5, help="how many plans to show (default: 5)")
     p.add_argument("--headroom", type=float, default=0.1,
                    help="fraction of device memory kept free (default: 0.1)")
@@ -273,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb("estimate", "predict step time, throughput, memory and bubble of one plan", cmd_estimate)
     add_spec_flags(p)
     add_layout_flags(p)
+    add_workload_flags(p)
     add_stack_flag(p)
     add_json_flag(p)
 
@@ -280,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
              cmd_simulate)
     add_spec_flags(p)
     add_layout_flags(p)
+    add_workload_flags(p)
     p.add_argument("--out-dir", default="out/simulate", help="where to write trace.json and timeline.png")
     p.add_argument("--stage-time", action="append", default=[], metavar="STAGE=SCALE",
                    help="what-if: scale the compute time of one stage (repeatable), e.g. 0=1.5")
@@ -297,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verb("train", "run a plan with torch.distributed (gloo on CPU, NCCL on GPU)", cmd_train)
     p.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)  # set by the torchrun line
+    add_job_flags(p)  # --config, --dump-config, --slurm
     add_spec_flags(p)
     add_layout_flags(p)
     add_run_flags(p)
@@ -326,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     json_errors = wants_json(argv)  # known even when the command line itself cannot be parsed
     with sigterm_raises():
         try:
-            args = build_parser().parse_args(argv)
+            args = parse_with_job_file(build_parser(), argv)
             return int(args.handler(args) or 0)
         except NotBuilt as exc:
             print(f"not built: {exc}", file=sys.stderr)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from fivefold.errors import FivefoldError
+from fivefold.errors import FivefoldError, SpecError
 from fivefold.spec import Plan
 
 GIB = 2**30
@@ -101,6 +101,20 @@ class DryRun:
                 "ranks": [r.to_dict() for r in self.ranks]}
 
 
+# Micro-batches one rank steps through on fake tensors: each costs a full-scale forward and backward of its
+# stages (~0.1-1 s of CPU at 70B scale), and the peak is reached within the first 2 x pp of them (1F1B's warm-up),
+# so a larger step is refused at once rather than run for hours without an end in sight.
+MAX_DRY_RUN_MICRO_BATCHES = 1024
+
+
+def check_dry_run_size(plan: Plan) -> None:
+    most = max(plan.micro_batches_of_replica(replica) for replica in range(plan.dp))
+    if most > MAX_DRY_RUN_MICRO_BATCHES:
+        raise SpecError("plan.num_micro_batches", most, f"micro-batches on one rank, more than the dry run steps "
+                        f"({MAX_DRY_RUN_MICRO_BATCHES:,}); raise --micro-batch or lower --global-batch (the memory "
+                        "peak does not grow past 2 x pp micro-batches)")
+
+
 def default_device(plan: Plan) -> str:
     """cuda for GPU clusters, cpu for CPU ones."""
     return "cpu" if all(g.device.name == "cpu" for g in plan.cluster.groups) else "cuda"
@@ -147,6 +161,7 @@ def _rank_result(plan: Plan, rank: int, answer: dict, rank_memory: list) -> Rank
 def dry_run(plan: Plan, device: str | None = None, stack_name: str = "fivefold",
             on_rank: Callable[[RankResult], None] | None = None, jobs: int | None = None) -> DryRun:
     """Dry-run every kind of rank of `plan`; raise DryRunBuildError on the first rank that fails."""
+    check_dry_run_size(plan)  # before the imports below load torch: a refusal comes at once
     from fivefold.cost import estimate, stack_named
     from fivefold.runtime.launch import check_runnable
 

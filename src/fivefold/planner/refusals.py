@@ -43,6 +43,10 @@ def check_before_search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
                                                      f"{', '.join(map(str, divisors(model.experts)))}")
         require(world % ep == 0, "--ep", ep, f"must divide the cluster's {world} devices")
     etp = getattr(choices, "etp", None)
-    if etp is not None and etp > 1:  # the search does not enumerate expert tensor parallel yet (issue 26)
-        raise SpecError("--etp", etp, "the planner searches etp 1 only so far; give the layout to estimate or "
-                                      "train with --etp, or leave --etp out")
+    if etp is not None and etp > 1:
+        require(model.is_moe, "--etp", etp, f"expert tensor parallel needs an MoE model; {model.name} is dense: "
+                                            "use --etp 1 or leave it out")
+        require(model.expert_ffn_hidden % etp == 0, "--etp", etp, f"must divide the expert MLP width "
+                f"{model.expert_ffn_hidden}; valid: {', '.join(map(str, divisors(model.expert_ffn_hidden)))}")
+        require(world % (etp * (ep or 1)) == 0, "--etp", etp, f"--ep x --etp must divide the cluster's {world} "
+                                                               "devices")

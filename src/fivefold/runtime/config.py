@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from fivefold.errors import SpecError, require
+from fivefold.runtime.schedule import check_optimizer_flags, lr_at, optimizer_record
 from fivefold.spec import Plan, plan_from_dict
 
 MAX_LR = 10.0  # a peak learning rate above this diverges on the first step
@@ -35,6 +36,10 @@ class RunConfig:
     grad_clip: float = 1.0  # max global gradient norm
     data: str | None = None  # token file (.bin/.npy) or text file; None = the built-in corpus
     tokenizer: str | None = None  # HF tokenizer.json for text data; None = bytes
+    text_field: str = "text"  # the column of JSONL / Parquet / `datasets` rows that holds the text
+    eval_data: str | None = None  # validation data, any --data form; None = no evaluation
+    eval_every: int = 0  # evaluate every N steps (and after the last); 0 = only after the last step
+    eval_batches: int = 4  # global batches per evaluation (the same ones every time, under every plan)
     device: str = "auto"  # cpu | cuda | auto
     metrics_file: str | None = None  # JSON lines, written by rank 0
     tensorboard: str | None = None  # folder of TensorBoard event files (per-step scalars), written by rank 0
@@ -57,6 +62,12 @@ class RunConfig:
     progress_file: str | None = None  # rank 0 writes the last finished step here (the launcher's interrupt line)
     metrics_every: int = 10  # gather per-rank metrics every N steps (runtime/bookkeeping.py)
     compile: bool = False  # torch.compile each transformer block (runtime/parallelize.py apply_compile)
+    lr_schedule: str = "cosine"  # cosine | wsd | linear | constant, after the warmup (runtime/schedule.py)
+    min_lr: float | None = None  # where the decay ends; None = 10% of --lr
+    decay_steps: int | None = None  # WSD: the last steps that decay to min_lr; None = 20% of the steps
+    weight_decay: float = 0.1  # AdamW decoupled weight decay of matrices (none on norms and biases)
+    betas: str = "0.9,0.95"  # AdamW betas, two numbers (GPT-3 / Llama)
+    eps: float = 1e-8  # AdamW epsilon
 
     # Filled in by the launcher or the caller, never given as a `train` flag.
     DERIVED = frozenset({"plan_toml", "show_progress", "progress_to_stderr", "checkpoint_async", "resume_from",
@@ -106,7 +117,10 @@ class RunConfig:
                 "must be at least 1 step")
         require(self.steps >= 1, "--steps", self.steps, "must be at least 1")
         require(self.metrics_every >= 1, "--metrics-every", self.metrics_every, "must be at least 1 step")
+        self.validate_eval()
         self.validate_numbers()
+        check_optimizer_flags(self.lr, self.steps, self.warmup_steps, self.lr_schedule, self.min_lr,
+                              self.decay_steps, self.weight_decay, self.betas, self.eps)
         self.validate_paths()
 
     def validate_numbers(self) -> None:
@@ -124,6 +138,25 @@ class RunConfig:
                 self.max_loss_spike, f"must be a finite factor above 1 (at most {MAX_FACTOR:g}), or 0 to disable")
         require(math.isfinite(self.straggler_factor) and self.straggler_factor <= MAX_FACTOR, "--straggler-factor",
                 self.straggler_factor, f"must be a finite factor above 1 (at most {MAX_FACTOR:g}), or 0 to disable")
+
+    def validate_eval(self) -> None:
+        """--eval-every / --eval-batches: counts, and only with --eval-data."""
+        require(self.eval_every >= 0, "--eval-every", self.eval_every,
+                "must be 0 (only after the last step) or a positive step count")
+        require(self.eval_batches >= 1, "--eval-batches", self.eval_batches, "must be at least 1 global batch")
+        if not self.eval_data:
+            require(self.eval_every == 0, "--eval-every", self.eval_every, "needs --eval-data (validation data)")
+            require(self.eval_batches == 4, "--eval-batches", self.eval_batches,
+                    "needs --eval-data (validation data)")
+
+    def optimizer_record(self) -> dict[str, Any]:
+        """The optimizer and schedule settings a checkpoint records and a resume must repeat."""
+        return optimizer_record(self.lr_schedule, self.min_lr, self.decay_steps, self.weight_decay, self.betas,
+                                self.eps)
+
+    def lr_of_step(self, step: int) -> float:
+        """The learning rate of 0-based optimizer step `step`."""
+        return lr_at(step, self.lr, self.warmup_steps, self.steps, self.lr_schedule, self.min_lr, self.decay_steps)
 
     def validate_paths(self) -> None:
         """Output paths of the right kind in a writable place; nothing is created here."""

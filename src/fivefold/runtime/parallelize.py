@@ -158,9 +158,24 @@ def apply_compile(model: Transformer) -> None:
     """Compile each transformer block in place (nn.Module.compile keeps the module, so parameter names,
     hooks and checkpoints are unchanged), after TP and activation checkpointing and before FSDP, as
     TorchTitan does. The blocks share one graph: dynamo treats their parameters as inputs, so the first
-    block's compilation serves all (same shapes)."""
+    block's compilation serves all (same shapes).
+
+    torch.fx's interpreter draws a tqdm bar while compiling, and tqdm's default lock is a multiprocessing
+    semaphore: a worker stopped by Ctrl-C leaves it behind and Python's resource tracker prints a warning after
+    fivefold's one interrupt line. A worker draws no bar of its own, so a thread lock serves tqdm as well."""
+    _thread_lock_for_tqdm()
     for block in model.layers.values():
         block.compile(fullgraph=False)
+
+
+def _thread_lock_for_tqdm() -> None:
+    try:
+        from tqdm import tqdm
+    except ImportError:  # no tqdm, no bar and no semaphore
+        return
+    import threading
+
+    tqdm.set_lock(threading.RLock())
 
 
 # --- data parallel / ZeRO --------------------------------------------------------------------------

@@ -34,13 +34,15 @@ from fivefold.runtime.config import RunConfig, check_gpu_dtype
 from fivefold.runtime.context_parallel import (apply_context_parallel, data_parallel_mesh, positions_per_row,
                                                shard_batch, split_micro_batches)
 from fivefold.runtime.elastic_run import ElasticRun
+from fivefold.runtime.evaluate import Evaluator
 from fivefold.runtime.expert_parallel import (forget_metadata_inference, moe_step_metrics, prepare_moe,
                                               sequence_split)
 from fivefold.runtime.knobs import NO_KNOBS, FaultKnobs
 from fivefold.runtime.mesh import Mesh, build_mesh, init_distributed, pick_device
 from fivefold.runtime.metrics import MetricsFile, Progress, StepMeter, summarize
 from fivefold.runtime.bookkeeping import gathers_metrics, reduce_step_totals
-from fivefold.runtime.optim import build_optimizer, clip_to_norm, local_grad_norm_squared, lr_at, set_lr
+from fivefold.runtime.optim import build_optimizer, clip_to_norm, local_grad_norm_squared, set_lr
+from fivefold.runtime.schedule import parse_betas
 from fivefold.runtime.parallelize import (apply_activation_checkpointing, apply_compile, apply_data_parallel,
                                           apply_tensor_parallel, finish_gradient_sync, set_gradient_sync,
                                           uses_ddp, wrap_ddp)
@@ -108,9 +110,9 @@ def replica_rows(plan: Plan, dp_rank: int) -> slice:
 
 
 def make_loader(config: RunConfig, plan: Plan) -> GlobalBatchLoader:
-    from fivefold.data import load_tokenizer, open_dataset
+    from fivefold.data import load_tokenizer, open_data
 
-    dataset = open_dataset(config.data, load_tokenizer(config.tokenizer))
+    dataset = open_data(config.data, load_tokenizer(config.tokenizer), config.text_field)
     return GlobalBatchLoader(dataset, seq_len=plan.train.seq_len, global_batch=plan.train.global_batch,
                              seed=config.seed)
 
@@ -187,7 +189,7 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
     parts = build_model_parts(plan, mesh, config.seed, param_dtype, knobs, config.compile,
                               cpu_overlap=device.type == "cpu")
     params = [p for part in parts.values() for p in part.parameters()]
-    optimizer = build_optimizer(params, config.lr)
+    optimizer = build_optimizer(params, config.lr, config.weight_decay, parse_betas(config.betas), config.eps)
     loader = make_loader(config, plan)
     loss_fn = knobs.loss(TokenCrossEntropy(plan.train.global_batch * plan.train.seq_len), loader,
                          plan.train.global_batch)
@@ -206,6 +208,7 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
                            else None)
     rows = replica_rows(plan, dp_rank)
     end_of_document = end_of_document_of(config, loader) if plan.train.document_mask else None
+    evaluator = Evaluator.for_run(config, plan)  # None without --eval-data
 
     first_step = elastic.start(parts, Checkpointer(config, plan, mesh, parts, optimizer, loader))  # > 0: resumed
     meter = StepMeter(plan, device, mesh.rank, "fp32" if param_dtype is None else "bf16", first_step)
@@ -219,7 +222,7 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
         knobs.step_started(step + 1, mesh.rank, restart)
         position = elastic.begin_step(step + 1, loader)
         tracer.begin_step(step + 1)
-        lr = lr_at(step, config.lr, config.warmup_steps, config.steps)
+        lr = config.lr_of_step(step)
         set_lr(optimizer, lr)
         batch = loader.next_batch()[rows].to(device, non_blocking=True)
 
@@ -245,6 +248,9 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
         record = meter.finish(step + 1, loss, grad_norm, lr, verdict.bad, elastic.forward_seconds(), moe_metrics,
                               gather)
         tracer.end_step()
+        if evaluator is not None and evaluator.due(step + 1):  # after the step's timing: not part of it
+            record.update(evaluator.evaluate(step_model, rows, mesh.coords["cp"], mesh.coords["tp"],
+                                             end_of_document))
         history.append(record)
         if is_rank0:
             metrics.write(record)

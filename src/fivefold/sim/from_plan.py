@@ -146,9 +146,9 @@ def replica_inputs(plan: Plan, estimate: Any, stage_scale: dict[int, float] | No
         return [step]
     from dataclasses import replace
 
-    from fivefold.cost.stack import STACKS
+    from fivefold.cost.stack import DEFAULT_STACK, STACKS
 
-    stack = STACKS.get(getattr(estimate, "stack", "modern"), STACKS["modern"])
+    stack = STACKS.get(getattr(estimate, "stack", DEFAULT_STACK), STACKS[DEFAULT_STACK])
     inputs = []
     for members in replicas:
         ratios = _compute_ratios(plan, stack, members[0])
@@ -171,11 +171,11 @@ def from_estimate(plan: Plan, estimate: Any, stage_scale: dict[int, float] | Non
     for stage in stage_scale:
         if not 0 <= stage < plan.num_stages:
             raise SpecError("--stage-time", stage, f"the plan has virtual stages 0..{plan.num_stages - 1}")
-    from fivefold.cost.stack import STACKS, data_parallel_sync
+    from fivefold.cost.stack import DEFAULT_STACK, STACKS, data_parallel_sync
 
     # The software stack the estimate assumed decides which collectives run when and what overlaps: the
     # same DataParallelSync the estimate follows.
-    stack = STACKS.get(getattr(estimate, "stack", "modern"), STACKS["modern"])
+    stack = STACKS.get(getattr(estimate, "stack", DEFAULT_STACK), STACKS[DEFAULT_STACK])
     sync = data_parallel_sync(stack, plan.zero, plan.pp)
     collectives, tied = _collectives(plan, stack)
     stages = []

@@ -53,13 +53,14 @@ def reduced_by_ddp(dp: int, cp: int, tp: int, pp: int, zero: int, ep: int, etp: 
     return replicas > 1 and zero == 0 and tp == pp == 1 and ep * etp in (1, replicas)
 
 
-def reductions_overlap_on_cpu(dp: int, cp: int, tp: int, pp: int, zero: int, ep: int, micro_batches: int) -> bool:
+def reductions_overlap_on_cpu(dp: int, cp: int, tp: int, pp: int, zero: int, ep: int, micro_batches: int,
+                              etp: int = 1) -> bool:
     """Whether fivefold's runtime on CPU reduces this layout's gradients while the backward still computes:
     under DistributedDataParallel (reduced_by_ddp), or through FSDP2 with its asynchronous reduce-scatter
     (runtime/parallelize.py AsyncReduceScatter) when no pipeline defers the reduction and it is the step's
     only one: ZeRO-1, or ZeRO-2/3 with one micro-batch (later micro-batches' reductions add into the
     gradient at once, so they block). cost/step.py costs the reduction overlapped exactly then."""
-    if reduced_by_ddp(dp, cp, tp, pp, zero, ep):
+    if reduced_by_ddp(dp, cp, tp, pp, zero, ep, etp):
         return True
     return dp * cp > 1 and zero >= 1 and pp == 1 and (zero == 1 or micro_batches == 1)
 
