@@ -215,9 +215,10 @@ class MoE(nn.Module):
         do their gradients."""
         routed = torch.zeros_like(scores).scatter_(1, chosen, 1.0)  # [tokens, E]: 1 where a copy went
         full_seq = seq * self.tokens.parts
-        fraction = self.tokens.sum_over_sequence(routed.view(batch, seq, -1).sum(dim=1)) / full_seq  # sums to top_k
-        probability = scores.view(batch, seq, -1).sum(dim=1) / full_seq  # this rank's share of P per sequence
-        per_sequence = self.experts_count * (fraction * probability).sum(dim=-1)
+        routed_sum = self.tokens.sum_over_sequence(routed.view(batch, seq, -1).sum(dim=1))  # f x full_seq
+        probability_sum = scores.view(batch, seq, -1).sum(dim=1)  # this rank's share of P x full_seq
+        # E * sum_e f_e P_e, the two 1/full_seq folded into one scalar (as many ops as two means)
+        per_sequence = (self.experts_count / full_seq**2) * (routed_sum * probability_sum).sum(dim=-1)
         scale = self.aux_loss_scale if self.aux_loss_scale is not None else 1.0 / (self.moe_layers * batch)
         return self.aux_loss_coef * per_sequence.sum() * scale
 
