@@ -156,6 +156,8 @@ def cmd_dryrun(args: argparse.Namespace) -> int:
         print_json(result.to_dict())
     else:
         print(summary_line(result))
+        for note in result.notes:
+            print(f"note: {note}")
     for line in overflow_lines(result):
         print(f"error: {line}", file=sys.stderr)
     return 0 if result.fits else 1
