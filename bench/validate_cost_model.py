@@ -34,7 +34,7 @@ from fivefold.planner import balanced_layers  # noqa: E402
 from fivefold.spec import ModelSpec, Plan, TrainSpec, parse_cluster  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
-from reference_rows import megatron_core_rows, torchtitan_rows  # noqa: E402
+from reference_rows import megatron_core_rows, megatron_moe_rows, torchtitan_rows  # noqa: E402
 
 # The development set lives in shared/ beside the repository (that is where CI puts it too).
 DEFAULT_REFERENCE = next((path for path in (ROOT.parent / "shared" / "reference", ROOT / "shared" / "reference",
@@ -344,9 +344,8 @@ def markdown(vtrain: list[tuple[str, dict]], core: list[dict], bubble: list[dict
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
+def write_section(path: Path, section: str, heading: str = "## Cost model vs published measurements") -> None:
     """Replace (or add) our section of docs/validation.md; other sections are left as they are."""
-    heading = "## Cost model vs published measurements"
     text = path.read_text() if path.is_file() else "# Validation\n\n"
     if heading in text:
         before, _, rest = text.partition(heading)
@@ -395,6 +394,11 @@ def main() -> int:
     for row in kort:
         print(f"korthikanti {row['model']:>5} {row['layout']:<45} MFU measured {row['measured']:.1f}%  "
               f"predicted {row['predicted']:.1f}%")
+    import validation_moe
+
+    moe = megatron_moe_rows(ROOT / "bench" / "reference" / "megatron_moe_h100.csv")
+    print("\n".join(validation_moe.moe_lines(moe)))
+    print(validation_moe.moe_summary(moe))
     simulated = simulator_rows()
     for row in simulated:
         print(f"estimate vs simulator, {row['stack']:<16} {row['cases']} cases: worst {row['worst']:+.1%}, "
@@ -407,6 +411,7 @@ def main() -> int:
     if args.write:
         pictures = report.write_plots(args.write.parent / "images")
         write_section(args.write, markdown(vtrain, core, bubble, kort, simulated, report, pictures))
+        write_section(args.write, validation_moe.section(ROOT / "bench" / "reference", moe), validation_moe.HEADING)
         print(f"wrote {args.write}")
     print(f"({time.perf_counter() - started:.1f} s)")
     return 0

@@ -131,7 +131,8 @@ class Report:
     def band_rows(self) -> dict[tuple[str, str], tuple[float, int]]:
         counts = {("megatron-lm-2022", "A100"): sum(len(res["rows_list"]) for _, res in self.vtrain)
                   + sum(1 for r in self.bubble if r.get("predicted")),
-                  ("megatron-core", "H100"): len(self.core), ("torchtitan", "H100"): len(self.titan)}
+                  ("megatron-core", "H100"): len(self.core), ("torchtitan", "H100"): len(self.titan),
+                  ("fivefold", "H100"): sum(1 for r in self.titan if r.get("predicted_fivefold") is not None)}
         return {key: (band, counts[key]) for key, band in self.bands.items()}
 
     def credibility_text(self) -> str:

@@ -111,6 +111,7 @@ def test_damaged_newest_is_skipped_with_a_warning_and_the_older_one_resumed(tmp_
                                    f"step-00000004.corrupt (kept, not deleted); resuming from step-00000002")
     assert launched[0][0].resume_from == str(older)
     after = snapshot(root)
+    assert after.pop("job.toml").startswith(b"# fivefold train --config FILE")  # the run folder keeps the job
     assert {name.replace("step-00000004.corrupt", "step-00000004"): data for name, data in after.items()} == before
     assert not newest.exists() and (root / "step-00000004.corrupt").is_dir()
 

@@ -36,8 +36,8 @@ def test_gemm_rate_is_interpolated_in_log_space_over_intensity():
     assert gemm_time(device, 4096, 4096, 4096) == pytest.approx(2 * 4096**3 / 6e14, rel=1e-12)  # a measured point
     # Outside the measured range the end rates hold (clamped), and no kernel is faster than a launch.
     assert gemm_time(device, 16384, 16384, 16384) == pytest.approx(2 * 16384**3 / 7e14, rel=1e-12)
-    assert gemm_time(device, 512, 512, 512) == pytest.approx(max(2 * 512**3 / 2e14, 4e-6), rel=1e-12)
-    assert gemm_time(device, 64, 64, 64) == pytest.approx(4e-6)
+    assert gemm_time(device, 512, 512, 512) == pytest.approx(max(2 * 512**3 / 2e14, 5e-6), rel=1e-12)
+    assert gemm_time(device, 64, 64, 64) == pytest.approx(5e-6)  # Hopper's launch (cost/kernels.py)
     # A skinny GEMM of the same FLOPs moves more bytes per FLOP: lower intensity, lower rate, more time.
     assert gemm_time(device, 8192, 8192, 128) > gemm_time(device, 2048, 2048, 2048)
     # Fused attention scales with the best measured GEMM; a dtype without points keeps the catalog curve.

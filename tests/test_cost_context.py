@@ -12,15 +12,27 @@ from dataclasses import replace
 
 import pytest
 
-from fivefold.cost import estimate
+from fivefold.cost import STACKS
+from fivefold.cost import estimate as _estimate
 from fivefold.cost.comm import all_gather_time, all_to_all_time, p2p_time, topology_of
 from fivefold.cost.compute import Device, flash_attention_time
 from fivefold.cost.context import context_parallel_comm, context_parallel_kept_bytes
 from fivefold.cost.layer import LayerShape
 from fivefold.cost.memory import layer_activation_bytes, layer_transient_bytes
-from fivefold.planner import Choices, search
+from fivefold.planner import Choices
+from fivefold.planner import search as _search
 from fivefold.planner.search import NoFeasiblePlan
 from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
+
+
+# These checks describe the mechanisms of the open-ended `modern` stack; the default became `fivefold` (issue 25).
+def estimate(plan, stack=None, headroom: float = 0.0):  # type: ignore[no-untyped-def]
+    return _estimate(plan, stack or STACKS["modern"], headroom)
+
+
+def search(*args, **fields):  # type: ignore[no-untyped-def]
+    return _search(*args, **{"stack": STACKS["modern"], **fields})
+
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LLAMA8B = PRESETS["llama3-8b"]
@@ -128,13 +140,13 @@ def test_simulator_draws_the_context_parallel_exchange():
 
     plan = Plan(model=replace(LLAMA8B, layers=8), cluster=parse_cluster("2x8xH100-SXM"),
                 train=TrainSpec(seq_len=8192, global_batch=8), dp=1, tp=8, cp=2, micro_batch=1, zero=1)
-    result = simulate_plan(plan)
+    result = simulate_plan(plan, estimate=estimate(plan))
     exchanges = [e for e in result.events if e.kind == "cp-exchange"]
     assert len(exchanges) == 2 * plan.num_micro_batches  # one bar in each forward and each backward
     per_micro_batch = estimate(plan).stage_costs[0].cp_comm
     assert per_micro_batch > 0
     assert sum(e.end - e.start for e in exchanges) == pytest.approx(per_micro_batch * plan.num_micro_batches)
-    no_cp = simulate_plan(replace(plan, cp=1, dp=2))
+    no_cp = simulate_plan(replace(plan, cp=1, dp=2), estimate=estimate(replace(plan, cp=1, dp=2)))
     assert not [e for e in no_cp.events if e.kind == "cp-exchange"]
 
 

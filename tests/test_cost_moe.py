@@ -52,8 +52,9 @@ def test_all_to_all_rides_the_slowest_link_of_the_ep_group():
 def test_load_imbalance_slows_the_busiest_rank():
     balanced = estimate(qwen_plan(8))
     skewed = estimate(qwen_plan(8, train=TrainSpec(seq_len=4096, global_batch=256, expert_imbalance=2.0)))
-    # Twice the bytes on the busiest rank; the all-to-all's latency term does not double.
-    assert 1.9 < skewed.breakdown_s["ep_comm"] / balanced.breakdown_s["ep_comm"] < 2.0
+    # Twice the bytes on the busiest rank; the all-to-all's latency terms and the token-count exchange before
+    # each dispatch (cost/moe_block.py) do not double.
+    assert 1.85 < skewed.breakdown_s["ep_comm"] / balanced.breakdown_s["ep_comm"] < 2.0
     assert skewed.step_time_s > 1.2 * balanced.step_time_s
     with pytest.raises(Exception, match="train.expert_imbalance"):
         TrainSpec(expert_imbalance=0.5)

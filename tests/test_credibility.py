@@ -13,7 +13,7 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.cost import STACKS, estimate
-from fivefold.cost.credibility import COVERAGE, ERROR_BANDS
+from fivefold.cost.credibility import COVERAGE, ERROR_BANDS, UNMEASURED_BAND
 from fivefold.planner import search
 from fivefold.spec import PRESETS, ModelSpec, Plan, TrainSpec, parse_cluster
 
@@ -103,7 +103,8 @@ def test_extrapolation_is_one_line_naming_what_no_row_covers() -> None:
         not in a100.notes  # full recompute is measured on A100 (vTrain)
     assert "extrapolating: no measured row with cp > 1 or seq_len 8192 or ZeRO-3 on A100" in a100.notes
     h200 = estimate(_plan("1x8xH200", dp=8), STACKS["torchtitan"])
-    assert "extrapolating: no measured row on H200" in h200.notes and h200.error_band is None
+    assert "extrapolating: no measured row on H200" in h200.notes and h200.error_band == UNMEASURED_BAND
+    assert UNMEASURED_BAND == 2 * max(ERROR_BANDS.values())
 
 
 def test_estimate_and_plan_show_band_and_extrapolation(capsys) -> None:

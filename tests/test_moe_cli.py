@@ -12,8 +12,9 @@ from fivefold.cli import main
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--cluster", "1x4xcpu", "--ep", "3"], "error: plan.ep=3: must divide dp*cp="),
-    (["--cluster", "1x4xcpu", "--ep", "8"], "error: plan.ep=8: must divide dp*cp="),
+    (["--cluster", "1x4xcpu", "--ep", "3"], "error: plan.ep=3: --ep must divide model.experts=4; valid: 1, 2, 4"),
+    (["--cluster", "1x4xcpu", "--ep", "2", "--etp", "4"], "error: plan.ep=2: --ep x --etp = 8 must divide "
+     "tp*cp*dp=4"),
 ])
 def test_bad_moe_layouts_stop_with_one_line(capsys, argv, message):
     assert main(["train", "--device", "cpu", "--model", "tiny-moe", *argv]) == 2
@@ -21,7 +22,7 @@ def test_bad_moe_layouts_stop_with_one_line(capsys, argv, message):
     assert err.startswith(message) and "\n" not in err
 
 
-def test_uneven_replicas_and_cp_aux_loss_are_refused():
+def test_uneven_replicas_and_tokens_that_tp_cannot_split_are_refused():
     from fivefold.errors import SpecError
     from fivefold.runtime.expert_parallel import check_moe_runnable
     from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
@@ -30,8 +31,12 @@ def test_uneven_replicas_and_cp_aux_loss_are_refused():
                   dp=2, ep=2, micro_batch=1, replica_micro_batches=(3, 5))
     with pytest.raises(SpecError, match="uneven replicas cannot share experts"):
         check_moe_runnable(uneven)
-    with pytest.raises(SpecError, match="model.aux_loss_coef=0.01: the per-sequence auxiliary loss"):
-        check_moe_runnable(uneven.replace(cp=2, dp=1, replica_micro_batches=(), micro_batch=1))
+    check_moe_runnable(uneven.replace(cp=2, dp=1, replica_micro_batches=(), micro_batch=1))  # aux loss under cp runs
+    odd = Plan(model=PRESETS["tiny-moe"], cluster=parse_cluster("1x4xcpu"), train=TrainSpec(seq_len=9, global_batch=8),
+               dp=2, tp=2, ep=2)
+    with pytest.raises(SpecError, match="train.seq_len=9: the MoE layers split each rank's 9 tokens of a "
+                                        "sequence over tp=2: use a --seq-len divisible by cp x tp = 2"):
+        check_moe_runnable(odd.replace(sequence_parallel=False))
 
 
 @pytest.mark.slow

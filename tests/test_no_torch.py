@@ -32,6 +32,8 @@ BLOCK_TORCH = textwrap.dedent("""
     assert code == 0, code
     code = main(["plan", "--model", "tiny", "--cluster", "1x4xcpu", "--json"])
     assert code == 0, code
+    code = main(["estimate", "--serve", "--model", "llama3-8b", "--cluster", "1x8xH100-SXM", "--tp", "2", "--json"])
+    assert code == 0, code
     print("OK no torch")
 """)
 

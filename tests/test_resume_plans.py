@@ -151,6 +151,8 @@ def test_checkpoints_are_committed_with_clean_names_and_the_run_state(runs):
     state = info["extra"]["train_state"]
     assert state["step"] == SAVED_AT and state["loader"]["samples_seen"] == SAVED_AT * GLOBAL_BATCH
     assert state["lr_schedule"] == {"lr": 3e-3, "warmup_steps": 2, "steps": STEPS}
+    assert state["optimizer"] == {"lr_schedule": "cosine", "min_lr": None, "decay_steps": None, "weight_decay": 0.1,
+                                  "betas": [0.9, 0.95], "eps": 1e-8}
     assert info["plan"]["plan"]["zero"] == 3 and info["model"] == PRESETS["tiny"]
     keys = FileSystemReader(str(step_dir(root, SAVED_AT))).read_metadata().state_dict_metadata
     model_keys = {k.removeprefix("model.") for k in keys if k.startswith("model.")}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -77,6 +78,25 @@ def test_interrupted_training_stops_every_worker_and_names_the_newest_checkpoint
     for folder in (tmp_path / "ck").glob("step-*"):  # whole, or visibly incomplete (no COMMIT): never half
         assert not (folder / "COMMIT").exists() or checkpoint_problem(folder) is None
     assert checkpoint_problem(tmp_path / "ck" / f"step-{saved:08d}") is None
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="inductor needs a C compiler")
+def test_ctrl_c_during_compiled_training_prints_nothing_after_the_line(tmp_path):
+    """inductor's compile pool would leave semaphores that Python's resource tracker warns about after the
+    interrupt line; runtime/parallelize.py apply_compile compiles in-process instead."""
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    process = start(["train", "--nproc", "1", "--steps", "100000", "--compile", *SMALL,
+                     "--metrics-file", "run/metrics.jsonl"], tmp_path)
+    try:
+        wait_for(lambda: lines(metrics) >= 2 or process.poll() is not None)
+        os.killpg(process.pid, signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130, err
+    assert err.strip().splitlines()[-1].startswith("interrupted at step"), err
+    assert "Warning" not in err and "leaked" not in err and "Traceback" not in err, err
 
 
 def test_interrupted_profile_leaves_no_process_and_no_file(tmp_path):

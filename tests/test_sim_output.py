@@ -29,6 +29,7 @@ class FakeEstimate:
     stage_costs: list
     dp_comm_s: float = 0.0
     optimizer_s: float = 0.0
+    stack: str = "modern"  # the stack whose ZeRO mechanics these checks describe
 
 
 def small_result():

@@ -15,8 +15,9 @@ from fivefold.cliparse import OneLineParser, print_json_error, wants_json
 from fivefold.errors import FivefoldError, SpecError
 from fivefold.interrupt import Interrupted, sigterm_raises
 from fivefold.outputs import check_output_dir, check_output_file, make_dir, make_parents
-from fivefold.flags import (REPLAN_KEEPS, add_json_flag, add_layout_flags, add_run_flags, add_serve_layout_flags,
-                            add_spec_flags, add_stack_flag, layout_from_args, plan_from_args, specs_from_args)
+from fivefold.jobfile import add_job_flags, keep_job_file, parse_with_job_file
+from fivefold.flags import (REPLAN_KEEPS, add_json_flag, add_layout_flags, add_run_flags, add_spec_flags,
+                            add_stack_flag, add_workload_flags, layout_from_args, plan_from_args, specs_from_args)
 
 EXIT_BAD_INPUT = 2
 EXIT_NOT_BUILT = 3
@@ -44,6 +45,13 @@ def console():
 # --- verbs -------------------------------------------------------------------------------------
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.serve:
+        from fivefold.serving_cli import cmd_plan_serve
+
+        return cmd_plan_serve(args, console, print_json)
+    from fivefold.serving_cli import check_serve_only_flags
+
+    check_serve_only_flags(args)
     from fivefold.cost import stack_named
     from fivefold.planner import Choices, search
     from fivefold.planner.render import plan_json, plan_renderables, plan_title
@@ -61,8 +69,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = search(model, cluster, train, Choices(**layout_from_args(args)), headroom=args.headroom, top=args.top,
                     stack=stack_named(args.stack), progress=progress)
     rerank_by_simulation(result, args.simulate_top)
-    if args.out:
-        result.candidates[0].plan.save(make_parents(args.out, "--out"))
     dryruns: dict[int, dict] = {}
     if args.dryrun_top > 0:
         from fivefold.dryrun.report import check_top
@@ -70,6 +76,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         top = [c.plan for c in result.candidates[:args.dryrun_top]]
         log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
         dryruns = {id(plan): verdict for plan, verdict in zip(top, check_top(top, log=log))}
+    if args.out:  # after every check that can refuse: a refused command writes nothing
+        result.candidates[0].plan.save(make_parents(args.out, "--out"))
     if args.json:
         print_json(plan_json(result, model.name, cluster.label, args.out, dryruns))
         return 0
@@ -82,6 +90,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
+    if args.serve:
+        from fivefold.serving_cli import cmd_estimate_serve
+
+        return cmd_estimate_serve(args, console, print_json)
+    from fivefold.serving_cli import check_serve_only_flags
+
+    check_serve_only_flags(args)
     from fivefold.cost import estimate, stack_named
 
     plan = plan_from_args(args)
@@ -98,6 +113,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.serve:
+        from fivefold.serving_cli import cmd_simulate_serve
+
+        return cmd_simulate_serve(args, console, print_json)
+    from fivefold.serving_cli import check_serve_only_flags
+
+    check_serve_only_flags(args)
     from fivefold.cost import estimate as estimate_plan
     from fivefold.cost import stack_named
     from fivefold.sim import parse_stage_times, simulate_plan
@@ -134,6 +156,8 @@ def cmd_dryrun(args: argparse.Namespace) -> int:
         print_json(result.to_dict())
     else:
         print(summary_line(result))
+        for note in result.notes:
+            print(f"note: {note}")
     for line in overflow_lines(result):
         print(f"error: {line}", file=sys.stderr)
     return 0 if result.fits else 1
@@ -145,6 +169,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from fivefold.runtime import RunConfig, launch, torchrun_command
     from fivefold.runtime.launch import WorkerFailed, check_launch_flags, nodes_of, run_torchrun_worker
     from fivefold.runtime.prepare import done_lines, prepare_run
+    from fivefold.runtime.slurm import print_slurm_script
 
     # Everything that can be wrong with the plan, the flags or the data fails here, before any process starts.
     config = RunConfig.from_flags(vars(args), progress_to_stderr=args.json)
@@ -153,12 +178,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_launch_flags(args.max_restarts)
     if args.init_from_hf:  # the folder's config.json decides the model
         plan = plan_for_hf(plan, args.init_from_hf, bool(args.plan), bool(args.layers_per_stage))
+    if args.slurm:  # the job for the cluster's scheduler, instead of training here
+        return print_slurm_script(plan, config)
     info = sys.stderr if args.json else sys.stdout
     # A re-plan for another world size keeps what the user fixed (with --plan: what the file says).
     fixed = None if args.plan else Choices(**{k: getattr(args, k) for k in REPLAN_KEEPS})
     run = prepare_run(plan, config, nproc=args.nproc, plan_file=args.plan, torchrun_worker=args.torchrun_worker,
                       fixed=fixed, say=lambda line: print(line, file=info, flush=True),
                       warn=lambda line: print(f"warning: {line}", file=sys.stderr))
+    keep_job_file(args, run.config.run_dir if run.torchrun_rank is None else None, info)  # fivefold/jobfile.py
     if run.torchrun_rank is not None:
         summary = run_torchrun_worker(run.config)
         if summary and args.json:
@@ -242,29 +270,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from fivefold.serve.generate import run_generate
-    from fivefold.serve.workers import WorkerDied
-
-    try:
-        summary = run_generate(args)
-    except WorkerDied as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if args.json:
-        print_json(summary)
-    else:
-        print(f"wrote {summary['requests']} completions ({summary['completion_tokens']} tokens, "
-              f"{summary['tokens_per_s']:,.1f} tokens/s) to {summary['output']}")
-    return 0
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from fivefold.serve.server import run_server
-
-    return run_server(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="fivefold",
@@ -282,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb("plan", "search every dp x tp x pp x cp split and rank the layouts by predicted speed", cmd_plan)
     add_spec_flags(p)
     add_layout_flags(p, for_search=True)
+    add_workload_flags(p, for_search=True)
     p.add_argument("--top", type=int, default=5, help="how many plans to show (default: 5)")
     p.add_argument("--headroom", type=float, default=0.1,
                    help="fraction of device memory kept free (default: 0.1)")
@@ -294,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb("estimate", "predict step time, throughput, memory and bubble of one plan", cmd_estimate)
     add_spec_flags(p)
     add_layout_flags(p)
+    add_workload_flags(p)
     add_stack_flag(p)
     add_json_flag(p)
 
@@ -301,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
              cmd_simulate)
     add_spec_flags(p)
     add_layout_flags(p)
+    add_workload_flags(p)
     p.add_argument("--out-dir", default="out/simulate", help="where to write trace.json and timeline.png")
     p.add_argument("--stage-time", action="append", default=[], metavar="STAGE=SCALE",
                    help="what-if: scale the compute time of one stage (repeatable), e.g. 0=1.5")
@@ -318,29 +326,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verb("train", "run a plan with torch.distributed (gloo on CPU, NCCL on GPU)", cmd_train)
     p.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)  # set by the torchrun line
+    add_job_flags(p)  # --config, --dump-config, --slurm
     add_spec_flags(p)
     add_layout_flags(p)
     add_run_flags(p)
     add_json_flag(p)
 
-    p = verb("generate", "complete every prompt of a JSON-lines file (continuous batching over tp x pp x replicas)",
-             cmd_generate)
-    add_serve_verb_flags(p)
-    p.add_argument("--input", required=True, help="JSON lines, each {\"prompt\": text} or {\"prompt_ids\": [...]}")
-    p.add_argument("--output", required=True, help="JSON lines: completion_ids, text, finish_reason, timings")
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt at most (default: 16)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed; a token depends on (seed, line, position)")
-    p.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens even past an end token")
-    add_json_flag(p)
+    from fivefold.serve.verbs import add_serve_verbs
 
-    p = verb("serve", "an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)", cmd_serve)
-    add_serve_verb_flags(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
-    p.add_argument("--max-queue", type=int, default=1024,
-                   help="requests waiting for a slot before new ones get HTTP 429 (default: 1024)")
+    add_serve_verbs(verb, add_json_flag, print_json)
 
     p = verb("profile", "measure this machine: GEMMs, memory bandwidth, collectives", cmd_profile)
     p.add_argument("--quick", action="store_true", help="a small grid, under a minute")
@@ -362,18 +356,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_serve_verb_flags(p: argparse.ArgumentParser) -> None:
-    from fivefold.serve.options import add_model_flags
-
-    add_model_flags(p)
-    add_serve_layout_flags(p)
-
-
 def main(argv: list[str] | None = None) -> int:
     json_errors = wants_json(argv)  # known even when the command line itself cannot be parsed
     with sigterm_raises():
         try:
-            args = build_parser().parse_args(argv)
+            args = parse_with_job_file(build_parser(), argv)
             return int(args.handler(args) or 0)
         except NotBuilt as exc:
             print(f"not built: {exc}", file=sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from typing import NoReturn
@@ -15,6 +16,10 @@ _INVALID = re.compile(r"^argument (?P<flag>[^:]+): invalid (?P<kind>\w+) value: 
 _CHOICE = re.compile(r"^argument (?P<flag>[^:]+): invalid choice: '?(?P<value>[^' ]*)'? \(choose from (?P<ok>.*)\)$")
 _ONE = re.compile(r"^argument (?P<flag>[^:]+): (?P<what>expected .*)$")
 _KINDS = {"int": "an integer", "float": "a number"}
+# Every number a flag takes is finite and of a size that is some real setting; a verb's own checks then state
+# each flag's range. Here, so that a new flag declared with type=float or type=int is covered by construction.
+FLAG_FLOAT_LIMIT = 1e12
+FLAG_INT_LIMIT = 2**63 - 1
 
 
 class UsageError(SpecError):
@@ -29,6 +34,14 @@ class UsageError(SpecError):
 class OneLineParser(argparse.ArgumentParser):
     """argparse, except that a mistake raises UsageError (printed as one line by main) instead of printing
     the usage block and exiting."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, extras = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            value = getattr(parsed, action.dest, None)
+            if action.type in (float, int) and isinstance(value, (int, float)) and value is not action.default:
+                check_flag_number(action.option_strings[-1] if action.option_strings else action.dest, value)
+        return parsed, extras
 
     def error(self, message: str) -> NoReturn:
         see = f"see `{self.prog} --help`"
@@ -48,6 +61,15 @@ class OneLineParser(argparse.ArgumentParser):
             raise UsageError(message.removeprefix("the following arguments are required: "), None,
                              f"required; {see}")
         raise UsageError(self.prog, None, f"{message}; {see}")
+
+
+def check_flag_number(flag: str, value: float) -> None:
+    """A number given on the command line is finite and not absurdly large (a flag's own range is checked by
+    its verb); refused here, before anything runs, so no worker ever overflows on it."""
+    if isinstance(value, float) and (math.isnan(value) or abs(value) > FLAG_FLOAT_LIMIT):
+        raise UsageError(flag, value, f"must be a finite number (at most {FLAG_FLOAT_LIMIT:g} in size)")
+    if isinstance(value, int) and abs(value) > FLAG_INT_LIMIT:
+        raise UsageError(flag, value, "must be an integer below 2**63")
 
 
 def wants_json(argv: list[str] | None) -> bool:

@@ -39,7 +39,8 @@ def add_layout_flags(parser: argparse.ArgumentParser, for_search: bool = False) 
     group = parser.add_argument_group("layout" + (" (each one given fixes that choice in the search)"
                                                   if for_search else ""))
     for dim, text in (("dp", "data-parallel"), ("tp", "tensor-parallel"), ("pp", "pipeline-parallel"),
-                      ("cp", "context-parallel"), ("ep", "expert-parallel")):
+                      ("cp", "context-parallel"), ("ep", "expert-parallel (MoE; folded over tp x cp x dp)"),
+                      ("etp", "expert tensor-parallel (MoE: each expert's matrices split over this many ranks)")):
         default_text = "" if for_search else (" (default: world / (tp*pp*cp))" if dim == "dp" else " (default: 1)")
         group.add_argument(f"--{dim}", type=int, default=None, help=f"{text} degree{default_text}")
     group.add_argument("--cp-method", choices=["allgather", "ulysses"], default=None,
@@ -62,17 +63,17 @@ def add_layout_flags(parser: argparse.ArgumentParser, for_search: bool = False) 
 
 
 def add_stack_flag(parser: argparse.ArgumentParser) -> None:
-    from fivefold.cost.stack import stack_help
+    from fivefold.cost.stack import DEFAULT_STACK, stack_help
 
-    parser.add_argument("--stack", default="modern", help="software the cost model assumes, and what it can run "
-                        "(default: modern). " + stack_help())
+    parser.add_argument("--stack", default=DEFAULT_STACK, help="software the cost model assumes, and what it can run "
+                        "(default: fivefold, what `fivefold train` runs). " + stack_help())
 
 
 def add_json_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
 
 
-LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "cp_method", "ep", "zero", "micro_batch", "schedule", "virtual_stages",
+LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "cp_method", "ep", "etp", "zero", "micro_batch", "schedule", "virtual_stages",
                 "recompute", "sequence_parallel")
 
 
@@ -97,6 +98,11 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, T
     train = TrainSpec(seq_len=args.seq_len, global_batch=args.global_batch, dtype=args.dtype or default_dtype(cluster),
                       expert_imbalance=getattr(args, "expert_imbalance", 1.0),
                       document_mask=getattr(args, "document_mask", False))
+    if train.expert_imbalance != 1.0 and not model.is_moe:
+        from fivefold.errors import SpecError
+
+        raise SpecError("--expert-imbalance", train.expert_imbalance, f"means nothing for a dense model ({model.name} "
+                        "has no experts); leave it out")
     return model, cluster, train
 
 
@@ -140,7 +146,17 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of weights and data order (default: 0)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
     p.add_argument("--warmup-steps", type=int, default=2, help="linear warmup steps (default: 2)")
-    p.add_argument("--data", default=None, help="token file (.bin/.npy) or text file; default: built-in corpus")
+    p.add_argument("--data", default=None, help="token file (.bin/.npy) or folder of shards, .txt, .jsonl or "
+                   ".parquet file or folder, a `datasets` save_to_disk folder, or a blend 0.7:web/,0.3:code.jsonl "
+                   "(docs/data.md); default: built-in corpus")
+    p.add_argument("--text-field", default="text", help="the column holding the text in JSONL, Parquet and "
+                   "`datasets` rows (default: text)")
+    p.add_argument("--eval-data", default=None, help="validation data (any --data form): eval_loss and "
+                   "eval_perplexity in the metrics (default: none)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="evaluate every N steps and after the last (default: 0, only after the last)")
+    p.add_argument("--eval-batches", type=int, default=4,
+                   help="global batches per evaluation, the same ones every time (default: 4)")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer.json; default: byte-level")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: auto")
     p.add_argument("--nproc", type=int, default=None, help="worker processes (default: the plan's world size)")
@@ -175,19 +191,32 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", action="store_true", help="record a per-rank timeline for `fivefold report`")
     p.add_argument("--metrics-every", type=int, default=10, help="gather per-rank memory and times every N steps "
                    "(and on the first, last, bad and straggler-suspect steps; default: 10)")
+    p.add_argument("--lr-schedule", default="cosine", help="learning rate after the warmup: cosine, wsd "
+                   "(warmup-stable-decay), linear or constant (default: cosine)")
+    p.add_argument("--min-lr", type=float, default=None, help="where the decay ends (default: 10%% of --lr)")
+    p.add_argument("--decay-steps", type=int, default=None,
+                   help="wsd: the last steps that decay to --min-lr (default: 20%% of the steps after warmup)")
+    p.add_argument("--weight-decay", type=float, default=0.1,
+                   help="AdamW weight decay of matrices; none on norms and biases (default: 0.1)")
+    p.add_argument("--betas", default="0.9,0.95", help="AdamW betas (default: 0.9,0.95)")
+    p.add_argument("--eps", type=float, default=1e-8, help="AdamW epsilon (default: 1e-8)")
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (CPU: inductor "
                    "needs a C compiler; the first steps pay the compile time)")
 
 
-def add_serve_layout_flags(parser: argparse.ArgumentParser, for_search: bool = False) -> None:
+def add_serve_layout_flags(parser: argparse.ArgumentParser, for_search: bool = False,
+                           skip: tuple[str, ...] = ()) -> None:
     """The serving layout (spec/serve.py ServeLayout and BatchLimits), named alike in `serve`, `generate` and
-    `plan/estimate/simulate --serve`. In `plan --serve` each one given fixes that choice of the search."""
+    `plan/estimate/simulate --serve`. In `plan --serve` each one given fixes that choice of the search.
+    `skip`: degrees the parser already has (plan/estimate/simulate have --tp --pp --ep from add_layout_flags)."""
     group = parser.add_argument_group("serving layout" + (" (each one given fixes that choice in the search)"
                                                           if for_search else ""))
     for dim, text in (("tp", "tensor-parallel degree (heads and MLP split)"),
                       ("pp", "pipeline-parallel degree (layers split, pp batches in flight)"),
                       ("replicas", "copies of the model behind the router"),
                       ("ep", "MoE: experts split over the tp ranks (1 or tp)")):
+        if dim in skip:
+            continue
         parser_default = "" if for_search else " (default: 1)"
         group.add_argument(f"--{dim}", type=int, default=None, help=text + parser_default)
     group.add_argument("--max-batch", type=int, default=None,
@@ -200,3 +229,21 @@ def add_serve_layout_flags(parser: argparse.ArgumentParser, for_search: bool = F
                        help="GiB of KV cache per device (the blocks follow from the model and layout)")
     group.add_argument("--kv-dtype", choices=["bf16", "fp16", "fp32", "fp8"], default=None,
                        help="KV-cache dtype (default: the compute dtype)")
+
+
+def add_workload_flags(parser: argparse.ArgumentParser, for_search: bool = False) -> None:
+    """`--serve` and what it serves (spec/workload.py): lengths or a trace, arrivals, latency targets; and the
+    serving layout flags (the degrees --tp --pp --ep are the layout flags this parser already has)."""
+    group = parser.add_argument_group("serving workload (with --serve)")
+    group.add_argument("--serve", action="store_true", help="plan/estimate/simulate serving instead of training")
+    group.add_argument("--prompt-len", default="512", help="prompt tokens: a number or mean:std (lognormal) "
+                       "(default: 512)")
+    group.add_argument("--output-len", default="128", help="output tokens: a number or mean:std (default: 128)")
+    group.add_argument("--trace", default=None, metavar="FILE",
+                       help="CSV or JSONL of requests with arrival_s, prompt_tokens, output_tokens")
+    group.add_argument("--rate", default=None, help="requests/s over the deployment (Poisson), or inf (all at once)")
+    group.add_argument("--batch", type=int, default=None, help="or: this many requests always in flight")
+    group.add_argument("--requests", type=int, default=1000, help="requests in the stream (default: 1000)")
+    group.add_argument("--ttft-slo", type=float, default=None, metavar="S", help="p90 time to first token target")
+    group.add_argument("--tpot-slo", type=float, default=None, metavar="S", help="p90 time per output token target")
+    add_serve_layout_flags(parser, for_search=for_search, skip=("tp", "pp", "ep"))

@@ -56,6 +56,47 @@ def check_output_dir(path: str | os.PathLike, flag: str) -> Path:
     return folder
 
 
+def is_metrics_file(file: Path) -> bool:
+    """Whether an existing file is one fivefold appends to: empty, or JSON lines whose first is a step record."""
+    import json
+
+    try:
+        with open(file, "rb") as handle:
+            first = handle.readline(1 << 20)
+    except OSError:
+        return False
+    if not first.strip():
+        return file.stat().st_size == len(first)
+    try:
+        record = json.loads(first)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and "step" in record
+
+
+def check_metrics_file(path: str | os.PathLike, flag: str = "--metrics-file") -> Path:
+    """An output file for step records that, when it exists, is already fivefold's own: a user's file (the
+    training data, a notebook) is never appended to."""
+    file = check_output_file(path, flag, "metrics.jsonl")
+    if file.is_file() and not is_metrics_file(file):
+        raise SpecError(flag, str(path), "exists and is not a fivefold metrics file (JSON lines of step records); "
+                                         "give a new file name, fivefold only appends to its own")
+    return file
+
+
+def check_distinct_paths(outputs: list[tuple[str, str | None]], inputs: list[tuple[str, str | None]]) -> None:
+    """No output is the same file or folder as another output or as an input (inputs may repeat: reading a
+    file twice harms nothing): (flag, path) pairs, None for a flag not given."""
+    seen: dict[Path, tuple[str, bool]] = {}  # path -> (first flag, whether it is an output)
+    for number, (flag, path) in enumerate(outputs + inputs):
+        if not path:
+            continue
+        resolved = Path(path).resolve()
+        if resolved in seen and (number < len(outputs) or seen[resolved][1]):
+            raise SpecError(flag, path, f"is the same path as {seen[resolved][0]}; give each its own place")
+        seen.setdefault(resolved, (flag, number < len(outputs)))
+
+
 def make_parents(path: str | os.PathLike, flag: str) -> Path:
     """Create the missing folders above `path` (call right before writing it)."""
     file = Path(path)

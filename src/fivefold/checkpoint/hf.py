@@ -16,6 +16,7 @@ from fivefold.checkpoint.hf_families import (ARCHITECTURES, UNSUPPORTED, family_
                                              spec_fields_of_family)
 from fivefold.errors import SpecError
 from fivefold.spec import ModelSpec
+from fivefold.spec.jsonfields import Fields
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -66,8 +67,20 @@ def from_hf_name(name: str) -> str | None:
     return None
 
 
+# fivefold's ModelSpec field -> the config.json key it is read from, so an error names the user's own key.
+_HF_KEYS = {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
+            "kv_heads": "num_key_value_heads", "head_dim": "head_dim", "ffn_hidden": "intermediate_size",
+            "vocab": "vocab_size", "max_seq_len": "max_position_embeddings", "rope_theta": "rope_theta",
+            "norm_eps": "rms_norm_eps", "tied_embeddings": "tie_word_embeddings", "top_k": "num_experts_per_tok",
+            "experts": "num_experts", "expert_ffn_hidden": "moe_intermediate_size",
+            "router_norm_topk": "norm_topk_prob", "aux_loss_coef": "router_aux_loss_coef",
+            "moe_every": "decoder_sparse_step", "first_dense_layers": "mlp_only_layers"}
+
+
 def spec_from_hf_config(config: dict, source: str = CONFIG_FILE) -> ModelSpec:
-    """A ModelSpec from a Llama, Mixtral or Qwen3-MoE config.json mapping; `source` names the file in errors."""
+    """A ModelSpec from a Llama, Mixtral or Qwen3-MoE config.json mapping; `source` names the file in errors,
+    and every value is read with its exact JSON type (spec/jsonfields.py)."""
+    fields = Fields(config, source)
     model_type = config.get("model_type")
     if model_type in UNSUPPORTED:
         raise SpecError(f"{source}:model_type", model_type, f"{UNSUPPORTED[model_type]}; supported: "
@@ -79,31 +92,34 @@ def spec_from_hf_config(config: dict, source: str = CONFIG_FILE) -> ModelSpec:
     if architectures != [ARCHITECTURES[model_type]]:
         raise SpecError(f"{source}:architectures", architectures, f"only {ARCHITECTURES[model_type]} of "
                                                                   f"model_type {model_type} can be imported")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_key = "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
+    rope = Fields(fields.table(rope_key, {}), f"{source}:{rope_key}")
+    rope_type = rope.text("rope_type", rope.text("type", "default"))
     if rope_type != "default":
-        raise SpecError(f"{source}:rope_parameters.rope_type", rope_type, "only default RoPE is supported")
+        raise SpecError(f"{source}:{rope_key}.rope_type", rope_type, "only default RoPE is supported")
     for flag in ("attention_bias", "mlp_bias"):
-        if config.get(flag):
+        if fields.flag(flag, False):
             raise SpecError(f"{source}:{flag}", config[flag], "models without biases only; must be false")
-    if config.get("hidden_act", "silu") != "silu":
+    if fields.text("hidden_act", "silu") != "silu":
         raise SpecError(f"{source}:hidden_act", config["hidden_act"], "SwiGLU needs silu")
+    hidden, heads = fields.count("hidden_size"), fields.count("num_attention_heads")
+    extra = {} if model_type == "llama" else spec_fields_of_family(fields, model_type)
+    theta = rope.real("rope_theta", fields.real("rope_theta", 10000.0, minimum=0, above=True), minimum=0, above=True)
+    name = fields.text("_name_or_path", f"hf-{model_type}").split("/")[-1] or f"hf-{model_type}"
     try:
-        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        extra = {} if model_type == "llama" else spec_fields_of_family(config, model_type, source)
         return ModelSpec(
-            name=str(config.get("_name_or_path") or f"hf-{model_type}").split("/")[-1] or f"hf-{model_type}",
-            layers=int(config["num_hidden_layers"]), hidden=hidden, heads=heads,
-            kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-            ffn_hidden=int(config["intermediate_size"]), vocab=int(config["vocab_size"]),
-            max_seq_len=int(config.get("max_position_embeddings", 4096)),
-            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-            norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            tied_embeddings=bool(config.get("tie_word_embeddings", False)), **extra)
-    except KeyError as missing:
-        raise SpecError(f"{source}:{missing.args[0]}", None,
-                        f"required field of a {model_type} config is missing") from None
+            name=name, layers=fields.count("num_hidden_layers"), hidden=hidden, heads=heads,
+            kv_heads=fields.count("num_key_value_heads", heads), head_dim=fields.count("head_dim", hidden // heads),
+            ffn_hidden=fields.count("intermediate_size"), vocab=fields.count("vocab_size"),
+            max_seq_len=fields.count("max_position_embeddings", 4096), rope_theta=theta,
+            norm_eps=fields.real("rms_norm_eps", 1e-6, minimum=0, above=True),
+            tied_embeddings=fields.flag("tie_word_embeddings", False), **extra)
+    except SpecError as exc:  # a rule between fields: name the config's key, not fivefold's
+        ours = exc.field.removeprefix("model.")
+        if ours not in _HF_KEYS:
+            raise
+        key = "num_local_experts" if ours == "experts" and "num_experts" not in config else _HF_KEYS[ours]
+        raise SpecError(f"{source}:{key}", config.get(key, exc.value), exc.fix) from None
 
 
 def hf_config_from_spec(spec: ModelSpec) -> dict:
@@ -134,11 +150,7 @@ def read_hf_config(folder: Path) -> tuple[dict, ModelSpec]:
     if not isinstance(config, dict):
         raise SpecError(str(file), type(config).__name__, "must be a JSON object of Llama config fields "
                                                          '(e.g. {"model_type": "llama", "hidden_size": 4096, ...})')
-    try:
-        return config, spec_from_hf_config(config, str(file))
-    except (ValueError, TypeError, AttributeError, ZeroDivisionError) as exc:  # e.g. "hidden_size": "big"
-        raise SpecError(str(file), "a field", f"has a value of the wrong kind ({exc}); write numbers as "
-                                              "JSON numbers") from None
+    return config, spec_from_hf_config(config, str(file))
 
 
 def _weight_files(folder: Path) -> dict[Path, list[str] | None]:
@@ -146,11 +158,15 @@ def _weight_files(folder: Path) -> dict[Path, list[str] | None]:
     index = folder / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as exc:
-            raise SpecError(str(index), "weight_map", f"unreadable index ({exc!r})") from None
+            data = json.loads(index.read_text())
+        except ValueError as exc:  # also not UTF-8
+            raise SpecError(str(index), "(unparsable)", f"not valid JSON ({str(exc)[:80]})") from None
+        weight_map = Fields(data, str(index)).table("weight_map")
         files: dict[Path, list[str]] = {}
         for name, shard in weight_map.items():
+            if not isinstance(shard, str) or Path(shard).name != shard or not shard.endswith(".safetensors"):
+                raise SpecError(f"{index}:weight_map.{name}", shard, "must name a .safetensors file in the same "
+                                                                    "folder, e.g. model-00001-of-00002.safetensors")
             files.setdefault(folder / shard, []).append(name)
         for shard in files:
             if not shard.is_file():

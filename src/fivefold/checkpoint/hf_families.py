@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from fivefold.errors import SpecError
 from fivefold.spec import ModelSpec
+from fivefold.spec.jsonfields import Fields
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # Families people will try that use a piece fivefold does not implement: one line says which.
@@ -83,29 +84,31 @@ def hf_names(spec: ModelSpec) -> dict[str, str | list[str]]:
     return names
 
 
-def spec_fields_of_family(config: dict, model_type: str, source: str) -> dict:
-    """ModelSpec fields beyond the Llama ones for a Mixtral or Qwen3-MoE config.json."""
-    if config.get("sliding_window") and (model_type == "mixtral" or config.get("use_sliding_window")):
-        raise SpecError(f"{source}:sliding_window", config["sliding_window"], "sliding-window attention is not "
-                                                                              "imported; must be null")
+def spec_fields_of_family(fields: Fields, model_type: str) -> dict:
+    """ModelSpec fields beyond the Llama ones for a Mixtral or Qwen3-MoE config.json, read with exact types."""
+    config, source = fields.data, fields.source
+    sliding = config.get("sliding_window")
+    if sliding and (model_type == "mixtral" or fields.flag("use_sliding_window", False)):
+        raise SpecError(f"{source}:sliding_window", sliding, "sliding-window attention is not imported; must be null")
+    aux = fields.real("router_aux_loss_coef", 0.0, minimum=0)
     if model_type == "mixtral":
-        if config.get("router_jitter_noise"):
+        if fields.real("router_jitter_noise", 0.0):
             raise SpecError(f"{source}:router_jitter_noise", config["router_jitter_noise"],
                             "router noise is not implemented; must be 0")
-        return {"experts": int(config["num_local_experts"]), "top_k": int(config["num_experts_per_tok"]),
-                "expert_ffn_hidden": int(config["intermediate_size"]), "router_norm_topk": True,
-                "aux_loss_coef": float(config.get("router_aux_loss_coef", 0.0))}
-    layers = int(config["num_hidden_layers"])
-    dense = sorted(int(i) for i in config.get("mlp_only_layers") or [])
+        return {"experts": fields.count("num_local_experts"), "top_k": fields.count("num_experts_per_tok"),
+                "expert_ffn_hidden": fields.count("intermediate_size"), "router_norm_topk": True,
+                "aux_loss_coef": aux}
+    layers = fields.count("num_hidden_layers")
+    dense = sorted(fields.counts("mlp_only_layers", []))
     if dense != list(range(len(dense))) or len(dense) >= layers:
         raise SpecError(f"{source}:mlp_only_layers", dense, "only the first layers may be dense, e.g. [0, 1]")
     # The Hub's Qwen3-MoE configs say num_experts; transformers 5 writes num_local_experts.
-    experts = config.get("num_experts") or config["num_local_experts"]
-    return {"qk_norm": True, "experts": int(experts), "top_k": int(config["num_experts_per_tok"]),
-            "expert_ffn_hidden": int(config["moe_intermediate_size"]),
-            "router_norm_topk": bool(config.get("norm_topk_prob", False)),
-            "aux_loss_coef": float(config.get("router_aux_loss_coef", 0.0)),
-            "first_dense_layers": len(dense), "moe_every": int(config.get("decoder_sparse_step", 1))}
+    experts = fields.count("num_experts") if config.get("num_experts") is not None else fields.count(
+        "num_local_experts")
+    return {"qk_norm": True, "experts": experts, "top_k": fields.count("num_experts_per_tok"),
+            "expert_ffn_hidden": fields.count("moe_intermediate_size"),
+            "router_norm_topk": fields.flag("norm_topk_prob", False), "aux_loss_coef": aux,
+            "first_dense_layers": len(dense), "moe_every": fields.count("decoder_sparse_step", 1)}
 
 
 def family_config(spec: ModelSpec, family: str) -> dict:

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 from fivefold.errors import SpecError
 from fivefold.spec import ModelSpec
+from fivefold.spec.checks import is_int
+from fivefold.spec.jsonfields import Fields
 from fivefold.spec.model import model_from_dict
 
 if TYPE_CHECKING:
@@ -89,8 +91,11 @@ def checkpoint_problem(path: str | Path, verify_hashes: bool = True) -> str | No
     if not (path / COMMIT_FILE).is_file():
         return "incomplete (no COMMIT marker; the save did not finish)"
     try:
-        manifest = json.loads((path / MANIFEST_FILE).read_text())
-        files = manifest["files"]
+        files = json.loads((path / MANIFEST_FILE).read_text())["files"]
+        if not isinstance(files, dict) or not all(isinstance(entry, dict) and is_int(entry.get("bytes"))
+                                                  and isinstance(entry.get("sha256"), str)
+                                                  for entry in files.values()):
+            raise TypeError("not {file: {bytes, sha256}}")
     except (OSError, ValueError, KeyError, TypeError):
         return f"corrupted ({MANIFEST_FILE} missing or unreadable)"
     for name, expected in sorted(files.items()):
@@ -186,10 +191,31 @@ def read_checkpoint_info(path: str | Path) -> dict:
         info = json.loads((path / INFO_FILE).read_text())
     except (OSError, ValueError) as exc:
         raise SpecError("checkpoint", str(path / INFO_FILE), f"unreadable ({exc})") from None
-    if info.get("format") != FORMAT:
-        raise SpecError(f"{path / INFO_FILE}:format", info.get("format"), f"expected {FORMAT!r}")
+    check_info_shape(info, str(path / INFO_FILE))
     info["model"] = model_from_dict(info["model"])
     return info
+
+
+def check_info_shape(info: object, source: str) -> None:
+    """fivefold.json as save_checkpoint writes it: each key fivefold reads back has its type, or one line
+    naming the file and the key (a hand-edited or foreign file must not reach a traceback in resume or convert)."""
+    fields = Fields(info, source)
+    if fields.data.get("format") != FORMAT:
+        raise fields.fail("format", fields.data.get("format"), f"expected {FORMAT!r}")
+    fields.table("model")
+    if fields.data.get("plan") is not None:
+        Fields(fields.table("plan"), f"{source}:plan").table("plan")
+    extra = Fields(fields.table("extra", {}), f"{source}:extra")
+    if extra.data.get("train_state") is None:
+        return
+    state = Fields(extra.table("train_state"), f"{source}:extra.train_state")
+    state.count("step", minimum=0)
+    loader = Fields(state.table("loader"), f"{source}:extra.train_state.loader")
+    loader.count("seed", minimum=0, limit=2**63 - 1)
+    loader.count("seq_len")
+    loader.count("samples_seen", minimum=0, limit=2**63 - 1)
+    state.table("lr_schedule", {})
+    state.table("optimizer", {})  # the optimizer settings a resume must repeat (resume.check_resumable)
 
 
 @contextmanager

@@ -20,7 +20,7 @@ from fivefold.spec import ModelSpec, Plan
 
 TRAIN_STATE = "train_state"  # key of the run's state in fivefold.json "extra"
 # Plan fields whose change a resume reports (all of them may change: weights and optimizer reshard).
-LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "schedule", "virtual_stages",
+LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "etp", "zero", "micro_batch", "schedule", "virtual_stages",
                  "layers_per_stage", "recompute", "sequence_parallel")
 
 
@@ -69,9 +69,10 @@ def refuse_existing_checkpoints(checkpoint_dir: str | None) -> None:
                                                            "add --resume to continue that run, or choose a new folder")
 
 
-def check_resumable(path: Path, plan: Plan, seed: int, steps: int) -> dict:
+def check_resumable(path: Path, plan: Plan, seed: int, steps: int, optimizer: dict | None = None) -> dict:
     """fivefold.json of `path` (read_checkpoint_info) after checking that this run can continue from it:
-    a training checkpoint, the same model, the same data order, and steps left to run."""
+    a training checkpoint, the same model, the same data order, the same optimizer settings (`optimizer`:
+    RunConfig.optimizer_record), and steps left to run."""
     info = read_checkpoint_info(path)
     state = (info.get("extra") or {}).get(TRAIN_STATE)
     require(state is not None, "--resume", str(path),
@@ -89,6 +90,20 @@ def check_resumable(path: Path, plan: Plan, seed: int, steps: int) -> dict:
             f"the checkpoint's data order was drawn with seed {loader['seed']}; resume with --seed {loader['seed']}")
     require(loader["seq_len"] == plan.train.seq_len, "--seq-len", plan.train.seq_len,
             f"the checkpoint was trained with seq_len {loader['seq_len']}; resume with --seq-len {loader['seq_len']}")
+    saved_optimizer = state.get("optimizer") or {}
+    # Fields a checkpoint does not record (written before they existed) are not compared.
+    field = next((name for name, value in (optimizer or {}).items()
+                  if name in saved_optimizer and saved_optimizer[name] != value), None)
+    if field is not None:
+        def shown(value):
+            if isinstance(value, list):
+                return ",".join(f"{b:g}" if isinstance(b, (int, float)) else str(b) for b in value)
+            return "the default" if value is None else value
+
+        flag = "--" + field.replace("_", "-")
+        raise SpecError(flag, shown((optimizer or {})[field]), f"the checkpoint was trained with {field}="
+                                                                f"{shown(saved_optimizer[field])}; resume with the "
+                                                                f"same {flag}")
     require(steps > state["step"], "--steps", steps,
             f"the checkpoint is at step {state['step']}; give more steps than that to continue")
     return info
@@ -116,14 +131,14 @@ def plan_for_hf(plan: Plan, folder: str, model_from_plan_file: bool, keep_layers
 
 
 def resume_checkpoint(plan: Plan, checkpoint_dir: str | None, resume: bool, seed: int, steps: int,
-                      warn=print) -> Path | None:
+                      warn=print, optimizer: dict | None = None) -> Path | None:
     """The checkpoint this run continues from (None: a new run), after every check that can be made
     without a worker; `warn` gets one line per checkpoint folder skipped on the way."""
     if not resume:
         refuse_existing_checkpoints(checkpoint_dir)
         return None
     path, skipped = find_resume_checkpoint(checkpoint_dir)
-    check_resumable(path, plan, seed, steps)
+    check_resumable(path, plan, seed, steps, optimizer)
     check_model_tensors(path, plan.model)
     # Only now, when the resume is sure to start, touch the folder: a corrupted newer checkpoint goes aside.
     moved = set_aside_corrupted(checkpoint_dir, newer_than=check_step(path))

@@ -43,7 +43,7 @@ def optimizer_time(layout: Layout, env: RankEnv, dense: float, expert: float) ->
     """Adam over this rank's (ZeRO-sharded) parameters: a memory-bound sweep."""
     if layout.zero >= 1:
         shard = layout.dp * layout.cp
-        dense, expert = dense / shard, expert / max(1, shard // layout.ep)
+        dense, expert = dense / shard, expert / env.expert_replicas.size  # experts: over edp (folding)
     return (dense + expert) * OPTIMIZER_BYTES_PER_PARAM[layout.train.dtype] / env.device.bandwidth
 
 

@@ -20,7 +20,7 @@ NO_TP_COLLECTIVES = TensorParallelCollectives(0, 0, 0, 0, 0, 0)
 def ddp_on_cpu(layout: Layout) -> bool:
     """The runtime runs this layout under DistributedDataParallel on CPU (spec.plan.reduced_by_ddp): buckets
     of gradients, no per-module FSDP hooks or collectives."""
-    return reduced_by_ddp(layout.dp, layout.cp, layout.tp, layout.pp, layout.zero, layout.ep)
+    return reduced_by_ddp(layout.dp, layout.cp, layout.tp, layout.pp, layout.zero, layout.ep, layout.etp)
 
 
 def stack_on_profiled_cpu(layout: Layout, stack: SoftwareStack) -> SoftwareStack:
@@ -34,7 +34,7 @@ def stack_on_profiled_cpu(layout: Layout, stack: SoftwareStack) -> SoftwareStack
     if ddp_on_cpu(layout):
         stack = replace(stack, collective_per_module=False)
     if reductions_overlap_on_cpu(layout.dp, layout.cp, layout.tp, layout.pp, layout.zero, layout.ep,
-                                 layout.num_micro_batches):
+                                 layout.num_micro_batches, layout.etp):
         stack = replace(stack, overlap_grad_reduce=True)
     return stack
 

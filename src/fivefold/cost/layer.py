@@ -16,119 +16,18 @@ context parallelism's K/V all-gather, which partly hides behind the attention of
 from __future__ import annotations
 
 import dataclasses
-import operator
-
 from dataclasses import dataclass
-from typing import NamedTuple
 
-from fivefold.cost.comm import GroupLink, all_gather_time, all_reduce_time, all_to_all_time, reduce_scatter_time
+from fivefold.cost.comm import SELF, GroupLink, all_gather_time, all_reduce_time, reduce_scatter_time
 from fivefold.cost.context import context_parallel_comm
 from fivefold.cost.compute import Device, elementwise_time, flash_attention_time, gemm_time
-from fivefold.cost.moe import all_to_all_bytes, routed_rows, split_by_layer_kind
+from fivefold.cost.moe import split_by_layer_kind
+from fivefold.cost.moe_block import moe_mlp, moe_tokens
+from fivefold.cost.passwork import ZERO_PASS, PassCost, PassWork, fp8_linear, mlp
+
+__all__ = ["ZERO_PASS", "LayerShape", "PassCost", "embedding_cost", "head_cost", "layer_cost", "padded_vocab"]
 from fivefold.cost.stack import SoftwareStack, eager_ops
 from fivefold.spec.model import ModelSpec
-
-
-class PassCost(NamedTuple):
-    """Seconds of one layer (or embedding/head) for one micro-batch, split the way the schedules need.
-
-    A NamedTuple rather than a frozen dataclass because the planner adds and scales ~10^5 of them per
-    search and a tuple is built several times faster; `+` adds field by field (it never concatenates)."""
-
-    forward: float  # forward, comm included
-    backward_input: float  # input-gradient backward, comm included (no recompute)
-    backward_weight: float  # weight-gradient backward
-    recompute: float  # forward work repeated before backward, comm included (0 without recompute)
-    recompute_compute: float  # the GPU compute part of `recompute`
-    tp_comm: float  # exposed TP communication inside forward + backward_input + recompute
-    cp_comm: float  # exposed context-parallel KV exchange
-    ep_comm: float  # expert-parallel all-to-all
-    host_excess: float  # time the GPU waits on the CPU inside the three passes
-
-    def __add__(self, other: PassCost) -> PassCost:  # type: ignore[override]  # fields, not concatenation
-        return PassCost._make(map(operator.add, self, other))
-
-    def scaled(self, factor: float) -> PassCost:
-        return PassCost._make([a * factor for a in self])
-
-
-ZERO_PASS = PassCost(*([0.0] * 9))
-COMM_KINDS = ("tp", "cp", "ep")
-
-
-class _Work:
-    """Accumulates GPU seconds, CPU kernel launches and exposed communication of one pass."""
-
-    __slots__ = ("forward", "backward_input", "backward_weight", "forward_comm", "backward_comm",
-                 "forward_kernels", "backward_kernels", "selective", "linear_forward")
-
-    def __init__(self) -> None:
-        self.forward = self.backward_input = self.backward_weight = 0.0
-        self.forward_comm = {kind: 0.0 for kind in COMM_KINDS}
-        self.backward_comm = {kind: 0.0 for kind in COMM_KINDS}
-        self.forward_kernels = self.backward_kernels = 0
-        self.selective = 0.0  # forward seconds that selective recompute repeats
-        self.linear_forward = 0.0  # forward seconds of the block's linear layers
-
-    def gemm(self, device: Device, tokens: int, k: int, n: int, batch: int = 1,
-             bias: bool = False, fp8: bool = False) -> tuple[float, float, float]:
-        """A linear layer y[tokens, n] = x[tokens, k] W[k, n]: forward, dgrad (B) and wgrad (W) seconds.
-        `fp8`: the three GEMMs run in FP8 when the device trains in FP8."""
-        forward = gemm_time(device, tokens, n, k, batch, fp8)
-        dgrad = gemm_time(device, tokens, k, n, batch, fp8)
-        wgrad = gemm_time(device, k, n, tokens, batch, fp8)
-        if bias:
-            wgrad += elementwise_time(device, tokens * n * batch * device.element_bytes)
-        self.forward += forward
-        self.linear_forward += forward
-        self.backward_input += dgrad
-        self.backward_weight += wgrad
-        self.forward_kernels += 1
-        self.backward_kernels += 3 if bias else 2
-        return forward, dgrad, wgrad
-
-    def elementwise(self, device: Device, forward_bytes: float, backward_bytes: float,
-                    forward_kernels: int = 1, backward_kernels: int = 1) -> None:
-        self.forward += elementwise_time(device, forward_bytes, forward_kernels)
-        self.backward_input += elementwise_time(device, backward_bytes, backward_kernels)
-        self.forward_kernels += forward_kernels
-        self.backward_kernels += backward_kernels
-
-    def collective(self, kind: str, forward_seconds: float, backward_seconds: float) -> None:
-        self.forward_comm[kind] += forward_seconds
-        self.backward_comm[kind] += backward_seconds
-        self.forward_kernels += 1 if forward_seconds else 0
-        self.backward_kernels += 1 if backward_seconds else 0
-
-    def finish(self, stack: SoftwareStack, recompute: str) -> PassCost:
-        forward_comm = sum(self.forward_comm.values())
-        forward_gpu = self.forward + forward_comm
-        forward = _with_host(forward_gpu, self.forward_kernels, stack)
-        backward_gpu = self.backward_input + self.backward_weight + sum(self.backward_comm.values())
-        backward = _with_host(backward_gpu, self.backward_kernels, stack)
-        # CPU-bound time lands on the input-gradient part; W keeps its pure GPU time.
-        backward_input = backward - self.backward_weight
-        excess = (forward - forward_gpu) + (backward - backward_gpu)
-        redo = redo_compute = 0.0
-        redo_share = 0.0  # how many forwards' worth of communication recompute repeats
-        if recompute == "full":
-            redo, redo_compute, redo_share = forward, self.forward, 1.0
-            excess += forward - forward_gpu
-        elif recompute == "selective":
-            redo = redo_compute = self.selective
-        tp, cp, ep = (self.forward_comm[k] * (1 + redo_share) + self.backward_comm[k] for k in COMM_KINDS)
-        return PassCost(forward, backward_input, self.backward_weight, redo, redo_compute, tp, cp, ep, excess)
-
-
-def _with_host(gpu: float, kernels: int, stack: SoftwareStack) -> float:
-    """A pass takes the slower of GPU work and CPU kernel issue, plus the part the two cannot overlap.
-
-    Sync points inside a pass (blocking host-to-device copies, NCCL calls waiting for their peers) drain
-    the GPU queue, after which the GPU waits for the CPU to refill it: a share `host_serialization` of
-    the shorter of the two adds on top of the longer.
-    """
-    host = kernels * stack.host_seconds_per_kernel
-    return max(gpu, host) + stack.host_serialization * min(gpu, host)
 
 
 @dataclass(frozen=True)
@@ -145,9 +44,10 @@ class LayerShape:
     recompute: str
     expert_imbalance: float = 1.0  # busiest rank's expert rows / the mean (TrainSpec.expert_imbalance)
     cp_method: str = "allgather"  # allgather | ulysses (cost/context.py)
+    etp: int = 1  # expert tensor parallel (MoE parallel folding: cost/moe_block.py moe_tokens)
 
 
-def _tp_collectives(work: _Work, num_bytes: float, link: GroupLink, sequence_parallel: bool,
+def _tp_collectives(work: PassWork, num_bytes: float, link: GroupLink, sequence_parallel: bool,
                     stack: SoftwareStack, gemms: list[tuple[float, float, float]]) -> None:
     """The TP collectives of one region (attention or MLP): all-reduce, or all-gather + reduce-scatter
     with SP, forward; the same backward. `gemms` are the region's (forward, dgrad, wgrad) GEMM times,
@@ -177,33 +77,15 @@ def _tp_collectives(work: _Work, num_bytes: float, link: GroupLink, sequence_par
         work.collective("tp", seconds, max(0.0, seconds - backward_cover))
 
 
-def _fp8_linear(work: _Work, device: Device, stack: SoftwareStack, tokens: int, k: int, n: int,
-                batch: int = 1, bias: bool = False) -> tuple[float, float, float]:
-    """A block linear layer; under FP8 training its GEMMs run in FP8 with dynamic (tensor-wise) scaling
-    (TorchTitan's Float8 / torchao, Megatron's FP8 recipe) and the casts that scaling needs:
-    the amax and cast of the input forward and of the output gradient backward (read 2 bytes for the
-    amax, read 2 and write 1 for the cast: 5 bytes per element, 3 when compiled or fused kernels fold
-    the amax into the producer), the FP8 transposes the dgrad and wgrad GEMMs need (1 byte read, 1
-    written), and the weight's cast, which an FP8 all-gather does on the shard before gathering instead."""
-    if device.fp8_gemm_peak <= 0:
-        return work.gemm(device, tokens, k, n, batch, bias)
-    times = work.gemm(device, tokens, k, n, batch, bias, fp8=True)
-    cast = 3.0 if stack.fused_elementwise else 5.0
-    x, g, w = tokens * k * batch, tokens * n * batch, k * n * batch
-    weight_cast = 0.0 if stack.features.fp8_all_gather else cast * w
-    work.elementwise(device, cast * x + weight_cast, cast * g + 2.0 * (x + g + w), 2, 4)
-    return times
-
-
 def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link: GroupLink,
-               cp_link: GroupLink, ep_link: GroupLink) -> PassCost:
+               cp_link: GroupLink, ep_link: GroupLink, etp_link: GroupLink = SELF) -> PassCost:
     """One transformer block, one micro-batch, one rank; the average block of a model mixing dense and MoE
     layers (cost/moe.py)."""
     mixed = split_by_layer_kind(shape.model)
     if mixed is not None:
         moe, dense, share = mixed
-        costs = [layer_cost(dataclasses.replace(shape, model=model), device, stack, tp_link, cp_link, ep_link)
-                 for model in (moe, dense)]
+        costs = [layer_cost(dataclasses.replace(shape, model=model), device, stack, tp_link, cp_link, ep_link,
+                            etp_link) for model in (moe, dense)]
         return costs[0].scaled(share) + costs[1].scaled(1 - share)
     m, e, t = shape.model, device.element_bytes, shape.tp
     b, s_local = shape.micro_batch, shape.seq_len // shape.cp
@@ -215,11 +97,11 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
     dropout = stack.uses_dropout(m)
     bias = m.norm == "layernorm"  # GPT blocks carry biases, Llama blocks do not
     hidden_bytes = tokens * h * e  # one activation of the residual stream (unsharded)
-    work = _Work()
+    work = PassWork()
 
     # Attention block: norm, QKV, (rope), core, output projection, TP collective, residual.
     work.elementwise(device, 2 * norm_tokens * h * e, 3 * norm_tokens * h * e, 1, 2)
-    qkv = _fp8_linear(work, device, stack, tokens, h, (q + 2 * kv) // t, bias=bias)
+    qkv = fp8_linear(work, device, stack, tokens, h, (q + 2 * kv) // t, bias=bias)
     if m.position == "rope":
         rope_bytes = 2 * tokens * (q + kv) // t * e
         work.elementwise(device, rope_bytes, rope_bytes, 2, 2)
@@ -260,7 +142,7 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
         work.forward_kernels += 6
         work.backward_kernels += 8
     attention_forward_total = work.forward - attention_start
-    projection = _fp8_linear(work, device, stack, tokens, q // t, h, bias=bias)
+    projection = fp8_linear(work, device, stack, tokens, q // t, h, bias=bias)
     _tp_collectives(work, hidden_bytes, tp_link, shape.sequence_parallel, stack, [qkv, projection])
     residual = 3 * e + (1 if dropout else 0)
     work.elementwise(device, norm_tokens * h * residual, norm_tokens * h * (2 * e + 1 if dropout else e),
@@ -268,40 +150,18 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
 
     # MLP block: norm, (router, dispatch), up/gate GEMM, activation, down GEMM, (combine), TP, residual.
     work.elementwise(device, 2 * norm_tokens * h * e, 3 * norm_tokens * h * e, 1, 2)
-    matrices_in = 2 if m.mlp == "swiglu" else 1
-    moe_split = 1 if stack.moe_replicated_over_tp else t  # how many ways tp splits the experts' width
-    if m.is_moe:
-        work.gemm(device, tokens, h, m.experts)  # router logits
-        # Token copies and the busiest rank's rows per local expert, imbalance included (cost/moe.py).
-        routed, per_expert = routed_rows(tokens, m, shape.ep, shape.expert_imbalance)
-        local_experts = m.experts // shape.ep
-        work.elementwise(device, 4 * routed * h * e, 4 * routed * h * e, 2, 2)  # permute / unpermute
-        if ep_link.size > 1:
-            dispatch = all_to_all_time(all_to_all_bytes(tokens, m, e, shape.expert_imbalance), ep_link)
-            work.collective("ep", 2 * dispatch, 2 * dispatch)
-        if m.shared_experts:
-            shared = m.shared_experts * m.expert_ffn_hidden // moe_split
-            _fp8_linear(work, device, stack, tokens, h, matrices_in * shared)
-            _fp8_linear(work, device, stack, tokens, shared, h)
-            work.elementwise(device, tokens * shared * 3 * e, tokens * shared * 5 * e)
-        width = m.expert_ffn_hidden // moe_split
-        up = _fp8_linear(work, device, stack, per_expert, h, matrices_in * width, batch=local_experts)
-        act_rows = routed
+    if m.is_moe:  # router to combine, term by term, over the folded expert groups (cost/moe_block.py)
+        routed_tokens, split = moe_tokens(tokens, t, shape.etp, shape.sequence_parallel, stack.moe_replicated_over_tp)
+        up, down = moe_mlp(work, m, routed_tokens, shape.ep, shape.expert_imbalance, split, device, stack,
+                           ep_link)[1:]
+        if stack.moe_replicated_over_tp:
+            if tp_link.size > 1 and shape.sequence_parallel:  # the input gathered; the output's gradient gathered
+                gather = all_gather_time(hidden_bytes, tp_link)
+                work.collective("tp", gather, gather)
+        else:  # the etp group gathers its tokens and reduce-scatters the experts' partial sums (none at etp 1)
+            _tp_collectives(work, routed_tokens * h * e, etp_link, shape.sequence_parallel, stack, [up, down])
     else:
-        width = m.ffn_hidden // t
-        up = _fp8_linear(work, device, stack, tokens, h, matrices_in * width, bias=bias)
-        act_rows = tokens
-    activation = (3 * e, 5 * e) if m.mlp == "swiglu" else (2 * e, 3 * e)
-    work.elementwise(device, act_rows * width * activation[0], act_rows * width * activation[1])
-    if m.is_moe:
-        down = _fp8_linear(work, device, stack, per_expert, width, h, batch=local_experts)
-    else:
-        down = _fp8_linear(work, device, stack, tokens, width, h, bias=bias)
-    if m.is_moe and stack.moe_replicated_over_tp:
-        if tp_link.size > 1 and shape.sequence_parallel:  # the input gathered; the output's gradient gathered
-            gather = all_gather_time(hidden_bytes, tp_link)
-            work.collective("tp", gather, gather)
-    else:
+        up, down = mlp(work, device, stack, tokens, h, m.ffn_hidden // t, m.mlp == "swiglu", bias=bias)
         _tp_collectives(work, hidden_bytes, tp_link, shape.sequence_parallel, stack, [up, down])
     work.elementwise(device, norm_tokens * h * residual, norm_tokens * h * (2 * e + 1 if dropout else e),
                      2 if dropout else 1, 1)
@@ -321,7 +181,7 @@ def embedding_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_l
     """Token (and learned position) embedding on the first stage; vocab-parallel over TP."""
     m, e = shape.model, device.element_bytes
     tokens = shape.micro_batch * shape.seq_len // shape.cp
-    work = _Work()
+    work = PassWork()
     row_bytes = tokens * m.hidden * e
     extra = 3 * row_bytes if m.position == "learned" else 0
     # ~12 kernels forward per micro-batch: batch copy to the GPU, position ids, vocab-range masking of
@@ -348,7 +208,7 @@ def head_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link: 
     tokens = shape.micro_batch * shape.seq_len // shape.cp
     norm_tokens = tokens // t if shape.sequence_parallel else tokens
     vocab = padded_vocab(m.vocab, t) // t
-    work = _Work()
+    work = PassWork()
     work.elementwise(device, 2 * norm_tokens * m.hidden * e, 3 * norm_tokens * m.hidden * e, 1, 2)
     if tp_link.size > 1 and shape.sequence_parallel:
         # the norm's sequence shards gathered forward, their gradient reduce-scattered backward

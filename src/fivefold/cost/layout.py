@@ -34,7 +34,7 @@ class Layout(MeshRanks):
     The rank arithmetic is Plan's own (both are spec.plan.MeshRanks), so both agree by construction.
     """
 
-    __slots__ = ("model", "cluster", "train", "dp", "tp", "pp", "cp", "cp_method", "ep", "zero", "micro_batch",
+    __slots__ = ("model", "cluster", "train", "dp", "tp", "pp", "cp", "cp_method", "ep", "etp", "zero", "micro_batch",
                  "schedule", "virtual_stages", "layers_per_stage", "recompute", "sequence_parallel",
                  "placement", "num_micro_batches", "replica_micro_batches")
     if TYPE_CHECKING:  # the slots' types (Plan's fields of the same names)
@@ -47,6 +47,7 @@ class Layout(MeshRanks):
         cp: int
         cp_method: str
         ep: int
+        etp: int
         zero: int
         micro_batch: int
         schedule: str
@@ -105,12 +106,13 @@ _LAYER_CACHE: IdentityCache[LayerCosts] = IdentityCache(20000)  # keyed by value
 class RankEnv:
     """Device and links of one pipeline rank."""
 
-    __slots__ = ("device", "capacity", "tp", "cp", "ep", "replicas", "expert_replicas")
+    __slots__ = ("device", "capacity", "tp", "cp", "ep", "replicas", "expert_replicas", "etp")
 
     def __init__(self, device: Device, capacity: float, tp: GroupLink, cp: GroupLink, ep: GroupLink,
-                 replicas: GroupLink, expert_replicas: GroupLink) -> None:
+                 replicas: GroupLink, expert_replicas: GroupLink, etp: GroupLink = SELF) -> None:
         self.device, self.capacity = device, capacity
         self.tp, self.cp, self.ep, self.replicas, self.expert_replicas = tp, cp, ep, replicas, expert_replicas
+        self.etp = etp  # the expert tensor-parallel group (MoE parallel folding; SELF when etp = 1)
 
 
 def _device_index(layout: Layout, rank: int) -> int:
@@ -120,14 +122,25 @@ def _device_index(layout: Layout, rank: int) -> int:
 _ENV_CACHE: IdentityCache[list[RankEnv]] = IdentityCache(4096)
 
 
-def rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
-    """Device and links of every pipeline rank (cached: the planner asks for each placement many times)."""
-    key = (layout.train.dtype, layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.placement,
-           layout.replica_micro_batches)
+def expert_inner(layout: Layout, stack: SoftwareStack) -> int:
+    """The innermost expert dimension (MoE parallel folding, spec/folding.py: edp x ep x etp over a stage's
+    dp x cp x tp ranks): the plan's etp; a stack that runs the whole MoE block on every tp rank
+    (moe_replicated_over_tp: fivefold's runtime) groups its experts over dp x cp, i.e. with tp innermost (a
+    plan it cannot run, ep beyond dp x cp, is costed with the plan's folding)."""
+    replicated = stack.moe_replicated_over_tp and (layout.dp * layout.cp) % layout.ep == 0
+    return layout.tp if replicated else layout.etp
+
+
+def rank_envs(layout: Layout, topology: Topology, inner: int | None = None) -> list[RankEnv]:
+    """Device and links of every pipeline rank (cached: the planner asks for each placement many times).
+    `inner`: the innermost expert dimension (expert_inner; default the plan's etp)."""
+    inner = inner or layout.etp
+    key = (layout.train.dtype, layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, inner, layout.etp,
+           layout.placement, layout.replica_micro_batches)
     cached = _ENV_CACHE.get(topology, key)
     if isinstance(cached, list):
         return cached
-    return _ENV_CACHE.put(topology, key, _build_rank_envs(layout, topology))
+    return _ENV_CACHE.put(topology, key, _build_rank_envs(layout, topology, inner))
 
 
 def _congruent(stride: int, members: int, per_node: int) -> bool:
@@ -146,7 +159,7 @@ def _slowest(links: list[GroupLink]) -> GroupLink:
     return max(links, key=lambda link: (all_reduce_time(2.0**26, link), link.size))
 
 
-def _build_rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
+def _build_rank_envs(layout: Layout, topology: Topology, inner: int) -> list[RankEnv]:
     cluster, dtype = layout.cluster, layout.train.dtype
     homogeneous = cluster.is_homogeneous and not layout.placement
     per_node = cluster.groups[0].gpus_per_node
@@ -194,12 +207,19 @@ def _build_rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
         replica_links = [link([r + t for r in replicas]) for t in range(
             1 if homogeneous and _congruent(tp, len(replicas), per_node) else min(tp, GROUPS_CHECKED))]
         replica_link = _slowest(replica_links)
-        expert_link = SELF
-        expert_replicas = replica_link
-        if ep > 1:
-            expert_link = _slowest([link([r + t for r in replicas[:ep]]) for t in range(len(replica_links))])
-            expert_replicas = _slowest([link([r + t for r in replicas[::ep]]) for t in range(len(replica_links))])
-        envs.append(RankEnv(devices[slowest], capacity, tp_link, cp_link, expert_link, replica_link, expert_replicas))
+        expert_link, expert_replicas, etp_link = SELF, replica_link, SELF
+        if layout.model.is_moe and (ep > 1 or inner != tp):
+            # Stage ranks s = (dp * cp + c) * tp + t (the block's order) regroup as edp x ep x inner (inner
+            # innermost): an ep group is ep ranks `inner` apart, an edp group edp ranks inner * ep apart.
+            edp = len(block) // (ep * inner)
+            offsets = range(1 if homogeneous and _congruent(inner, ep, per_node) else min(inner, GROUPS_CHECKED))
+            expert_link = _slowest([link([block[o + i * inner] for i in range(ep)]) for o in offsets])
+            offsets = range(min(inner * ep, GROUPS_CHECKED))
+            expert_replicas = _slowest([link([block[o + j * inner * ep] for j in range(edp)]) for o in offsets])
+        if layout.etp > 1:
+            etp_link = links_of(1, layout.etp, block[::layout.etp])
+        envs.append(RankEnv(devices[slowest], capacity, tp_link, cp_link, expert_link, replica_link, expert_replicas,
+                            etp_link))
     return envs
 
 
@@ -209,7 +229,8 @@ _LAYER_COSTS_OF_ENV: IdentityCache[LayerCosts] = IdentityCache(20000)  # the sam
 def layer_costs(layout: Layout, env: RankEnv, stack: SoftwareStack) -> LayerCosts:
     """The PassCosts and bytes of one layer, the embedding and the head on a rank like `env`, cached."""
     train = layout.train
-    key = (layout.model, train.seq_len, layout.micro_batch, layout.tp, layout.cp, layout.ep, layout.sequence_parallel,
+    key = (layout.model, train.seq_len, layout.micro_batch, layout.tp, layout.cp, layout.ep, layout.etp,
+           layout.sequence_parallel,
            layout.recompute, train.expert_imbalance, layout.cp_method, stack)
     cached = _LAYER_COSTS_OF_ENV.get(env, key)
     if isinstance(cached, LayerCosts):
@@ -221,17 +242,17 @@ def _layer_costs(layout: Layout, env: RankEnv, stack: SoftwareStack) -> LayerCos
     """layer_costs, cached on the values the costs depend on (ranks on equal devices and links share them)."""
     shape = LayerShape(layout.model, layout.train.seq_len, layout.micro_batch, layout.tp, layout.cp, layout.ep,
                        layout.sequence_parallel, layout.recompute, layout.train.expert_imbalance,
-                       cp_method=layout.cp_method)
+                       cp_method=layout.cp_method, etp=layout.etp)
     device = env.device
     key = (shape, device.spec.name, device.peak, device.fp8_gemm_peak, device.bandwidth, device.element_bytes,
            device.gemm_curve, stack,
-           env.tp, env.cp, env.ep)
+           env.tp, env.cp, env.ep, env.etp)
     cached = _LAYER_CACHE.get(None, key)
     if isinstance(cached, LayerCosts):
         return cached
     dropout = stack.uses_dropout(layout.model)
     return _LAYER_CACHE.put(None, key, LayerCosts(
-        layer_cost(shape, device, stack, env.tp, env.cp, env.ep), embedding_cost(shape, device, stack, env.tp),
+        layer_cost(shape, device, stack, env.tp, env.cp, env.ep, env.etp), embedding_cost(shape, device, stack, env.tp),
         head_cost(shape, device, stack, env.tp),
         layer_activation_bytes(shape, dropout, stack.attention, device.element_bytes, stack.selective_saves_ops,
                                stack.selective_saves_every_matmul, stack.cp_repeats_kv, stack.cp_ring_backward),
@@ -241,7 +262,7 @@ def _layer_costs(layout: Layout, env: RankEnv, stack: SoftwareStack) -> LayerCos
 
 def layer_work(layout: Layout, stack: SoftwareStack) -> tuple[PassCost, PassCost, PassCost]:
     """(one layer, embedding, LM head) costs for one micro-batch on pipeline rank 0 (the planner's bounds)."""
-    env = rank_envs(layout, topology_of(layout.cluster))[0]
+    env = rank_envs(layout, topology_of(layout.cluster), expert_inner(layout, stack))[0]
     costs = layer_costs(layout, env, stack)
     return costs.layer, costs.embedding, costs.head
 
@@ -257,7 +278,7 @@ def stage_params(layout: Layout, layers: int, first: bool, last: bool,
     expert = 0.0
     if m.is_moe:
         per_layer, all_experts = expert_param_share(m)  # an average layer (cost/moe.py)
-        expert = layers * all_experts / (layout.ep * t)
+        expert = layers * all_experts / (layout.ep * layout.etp)  # experts over ep, each split over etp
     dense = layers * per_layer / t
     vocab_rows = padded_vocab(m.vocab, t) * m.hidden / t
     if first:
@@ -287,7 +308,7 @@ _GROUP_WORK: IdentityCache[GroupWork] = IdentityCache(20000)
 def group_work(layout: Layout, costs: LayerCosts, layers: int, first: bool, last: bool, chunks: int,
                extra_activation: float, extra: PassCost = ZERO_PASS) -> GroupWork:
     """The GroupWork of a rank with `layers` layers in `chunks` stage models, plus `extra` (cached)."""
-    key = (layout.model, layout.tp, layout.ep, layers, first, last, chunks, extra_activation, extra)
+    key = (layout.model, layout.tp, layout.ep, layout.etp, layers, first, last, chunks, extra_activation, extra)
     cached = _GROUP_WORK.get(costs, key)
     if isinstance(cached, GroupWork):
         return cached

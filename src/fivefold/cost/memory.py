@@ -71,6 +71,29 @@ def korthikanti_activation_bytes(seq_len: int, micro_batch: int, hidden: int, he
     return s * b * h * (10 + 24 / t + scores / t)
 
 
+def routed_copies(shape: LayerShape) -> float:
+    """Rows per token a layer's MLP keeps on the busiest rank: 1 dense; MoE top_k copies, times the busiest ep
+    rank's load over the mean (TrainSpec.expert_imbalance) when ep > 1: its experts received that many."""
+    m = shape.model
+    if not m.is_moe:
+        return 1.0
+    return m.top_k * (shape.expert_imbalance if shape.ep > 1 else 1.0)
+
+
+def moe_dispatched_bytes(shape: LayerShape, element_bytes: int) -> float:
+    """Of one layer's stored activations, the dispatched token copies an MoE block keeps on the busiest rank
+    for one micro-batch: without recompute the rows its experts received and all their expert hidden tensors;
+    with selective recompute the expert input matmuls' outputs; none under full recompute (layer input only)."""
+    m = shape.model
+    if not m.is_moe or shape.recompute == "full":
+        return 0.0
+    tokens = shape.micro_batch * shape.seq_len // shape.cp
+    width = m.expert_ffn_hidden / shape.tp
+    inputs = 2 if m.mlp == "swiglu" else 1
+    kept = inputs * width if shape.recompute == "selective" else m.hidden + (inputs + 1) * width
+    return element_bytes * tokens * routed_copies(shape) * kept
+
+
 def every_matmul_selective_bytes(shape: LayerShape, element_bytes: int) -> float:
     """Selective recompute that keeps every matmul, attention and TP collective output (fivefold's policy,
     runtime/parallelize.py _SAVE_OPS) plus the block input: Q, K, V, the attention output and its fp32
@@ -80,7 +103,7 @@ def every_matmul_selective_bytes(shape: LayerShape, element_bytes: int) -> float
     m, e, t = shape.model, element_bytes, shape.tp
     tokens = shape.micro_batch * shape.seq_len // shape.cp
     h, q, kv = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
-    copies = m.top_k if m.is_moe else 1
+    copies = routed_copies(shape)
     width = m.expert_ffn_hidden if m.is_moe else m.ffn_hidden
     mlp_inputs = 2 if m.mlp == "swiglu" else 1
     block_input = h / t if shape.sequence_parallel else h
@@ -106,7 +129,7 @@ def layer_activation_bytes(shape: LayerShape, dropout: bool, attention: str, ele
         return e * tokens * h * replicated_share  # the layer input only
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
     mask = 1 if dropout else 0
-    copies = m.top_k + m.shared_experts if m.is_moe else 1  # each token visits top_k (+ shared) experts
+    copies = routed_copies(shape) + m.shared_experts  # each token visits top_k (+ shared) experts
     # Outside the TP regions: two norm inputs, QKV input, MLP input (per expert copy), two dropout masks.
     replicated = tokens * h * (3 * e + e * copies + 2 * mask)
     # Inside: Q, K, V; attention output (projection input); MLP hidden tensors.
@@ -181,6 +204,7 @@ class RankMemory:
     activations: float  # in-flight micro-batches' stored activations
     transient: float  # working memory: recomputed layer, logits, gathered ZeRO-3 weights
     reserved: float  # CUDA context, workspaces
+    moe_dispatched: float = 0.0  # of `activations`, the dispatched MoE token copies (not added again)
 
     @property
     def total(self) -> float:
@@ -189,4 +213,5 @@ class RankMemory:
     def to_dict(self) -> dict:
         return {"peak": self.total / GIB, "params": self.params / GIB, "grads": self.grads / GIB,
                 "optimizer": self.optimizer / GIB, "activations": self.activations / GIB,
-                "transient": self.transient / GIB, "reserved": self.reserved / GIB}
+                "transient": self.transient / GIB, "reserved": self.reserved / GIB,
+                **({"moe_dispatched": self.moe_dispatched / GIB} if self.moe_dispatched else {})}

@@ -54,7 +54,7 @@ class Estimate:
     dp_comm_exposed_s: float  # the part not hidden behind compute
     optimizer_s: float
     breakdown_s: dict[str, float] = field(default_factory=dict)  # sums to step_time_s
-    stack: str = "modern"
+    stack: str = "fivefold"  # cost.stack.DEFAULT_STACK
     notes: list[str] = field(default_factory=list)  # one line each: what the stack cannot run, extrapolation
     error_band: float | None = None  # expected relative error of the step time (development-set residuals)
     mfu_basis: str = ""  # which peak MFU is counted against ("bf16 peak" under fp8)

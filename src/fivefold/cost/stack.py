@@ -32,12 +32,14 @@ class Features:
     fp8: bool = False  # FP8 GEMMs (Transformer Engine, torchao Float8)
     fp8_all_gather: bool = False  # ZeRO-3 / FSDP gathers the weights already cast to FP8
     gradient_accumulation: bool = True  # several micro-batches per replica without a pipeline
+    moe_folding: bool = True  # MoE parallel folding: ep over tp x cp x dp (may span tp) and expert tensor parallel
     built_on: str = ""  # the pieces, for `estimate --help`
 
     def describe(self) -> str:
         parts = [f"parallel {'/'.join(self.parallelisms)}", f"schedules {', '.join(self.schedules)}",
                  *([] if self.gradient_accumulation else ["no gradient accumulation without pp"]),
                  f"ZeRO {'/'.join(map(str, self.zero_levels))}",
+                 *(["MoE folding (ep over tp x cp x dp, etp)"] if self.moe_folding and "ep" in self.parallelisms else []),
                  f"CP {'/'.join(self.cp_methods)}" if "cp" in self.parallelisms else "no CP",
                  f"recompute {'/'.join(self.recompute)}",
                  ("FP8" + (" (FP8 all-gather)" if self.fp8_all_gather else "")) if self.fp8 else "no FP8"]
@@ -105,6 +107,9 @@ class SoftwareStack:
     #                                 dK/dV around the ring in fp32, one hop per ring step (cost/context.py)
     moe_replicated_over_tp: bool = False  # every tp rank runs the whole MoE block (experts unsplit; with SP its
     #                                       input gathered over tp, its output cut back: runtime/expert_parallel.py)
+    moe_dispatch_syncs_host: bool = True  # MoE dispatch copies token counts to the host first (cost/moe_block.py)
+    moe_dispatch_per_node: bool = False  # DeepEP: one network copy of a token per destination node, forwarded
+    #                                      over NVLink to its experts there (cost/moe_block.py dispatch_time)
     features: Features = Features()  # what the software can run at all
 
     def uses_dropout(self, model: ModelSpec) -> bool:
@@ -119,15 +124,18 @@ class SoftwareStack:
 
 
 STACKS: dict[str, SoftwareStack] = {
-    # Everything current software offers somewhere (no single framework): the planner's open-ended view.
-    "modern": SoftwareStack(features=Features(fp8=True, fp8_all_gather=True, built_on="any current framework")),
+    # Everything current software offers somewhere (no single framework): the planner's open-ended view, with
+    # no measured rows of its own (error band: credibility.UNMEASURED_BAND); no longer the default.
+    "modern": SoftwareStack(features=Features(fp8=True, fp8_all_gather=True,
+                                              built_on="any current framework; no measured rows")),
     # Megatron-Core with Transformer Engine as NVIDIA benchmarks it: TP communication overlapped with
     # GEMMs, distributed optimizer with overlapped gradient reduce and parameter gather.
     "megatron-core": SoftwareStack(
         name="megatron-core", overlap_tp_comm=True, unfused_cross_entropy=True,
-        features=Features(schedules=("1f1b", "interleaved-1f1b"), zero_levels=(0, 1),
+        features=Features(schedules=("1f1b", "interleaved-1f1b"), zero_levels=(0, 1, 3),
                           cp_methods=("allgather", "ulysses"), fp8=True,
-                          built_on="Megatron-Core + Transformer Engine, distributed optimizer")),
+                          built_on="Megatron-Core + Transformer Engine, distributed optimizer, Megatron-FSDP "
+                                   "(ZeRO-3), MoE parallel folding")),
     # Megatron-LM of 2021-22 (the vTrain measurements): no FlashAttention (scores materialized, fused
     # scale-mask-softmax), the "local" DDP all-reduces gradients after backward, blocking pipeline p2p,
     # and a Python-heavy layer with tensor-parallel RNG tracking and activation-checkpoint wrappers.
@@ -150,13 +158,18 @@ STACKS: dict[str, SoftwareStack] = {
     # profiled CPU the measured host costs of its eager ops, FSDP2 hooks and AdamW replace it (step.py).
     # Its memory terms as `fivefold dryrun` measured them (docs/validation.md, dry run): selective recompute
     # keeps every matmul and collective output; the plain cross-entropy holds the fp32 log-softmax, its
-    # gradient and the input gradient at once (3 copies); no logits kept between micro-batches.
+    # gradient and the input gradient at once (3 copies); no logits kept between micro-batches. On GPUs its
+    # kernels are TorchTitan's eager ones (the same FSDP2 / DTensor / SDPA blocks without torch.compile): the
+    # unfused element-wise traffic of eager_ops and SDPA's FlashAttention-2, the two terms that reproduce
+    # TorchTitan's eager rows (Llama 3.1 8B, compile off: +0% and +4%, docs/validation.md); `--compile` fuses.
     "fivefold": SoftwareStack(name="fivefold", dropout=False, overlap_tp_backward=False, grad_reduce_bytes=4,
+                              fused_elementwise=False, sdpa_flash2=True,
                               pipeline_keeps_outputs=True, optimizer_temporary_bytes=4.0,
                               selective_saves_ops=True, selective_saves_every_matmul=True, loss_fp32_copies=3,
                               pipeline_returns_outputs=False, tp_gathers_logits=True, moe_replicated_over_tp=True,
                               pipeline_defers_grad_sync=True, zero2_reshards_after_backward=True,
                               eager_host_costs=True, features=Features(
+                                  moe_folding=False,
                                   built_on="FSDP2, DTensor TP, torch.distributed.pipelining, own CP, eager")),
     # TorchTitan as benchmarked at the end of 2024 (benchmarks/llama3_h100_202412_torchtitan.md; its
     # schedules: GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble (zb-h1 here); no ZBV yet, and no
@@ -184,6 +197,10 @@ STACKS: dict[str, SoftwareStack] = {
 # latency. On GPUs the bucketed form is kept, so GPU predictions do not depend on it.
 STACKS["fivefold-cpu"] = replace(STACKS["fivefold"], name="fivefold-cpu", overlap_grad_reduce=False,
                                  overlap_param_gather=False, collective_per_module=True)
+
+
+# What `plan`, `estimate`, `simulate` and the Python API assume without --stack: what `fivefold train` runs.
+DEFAULT_STACK = "fivefold"
 
 
 def on_host_profiled_cpu(stack: SoftwareStack) -> SoftwareStack:
@@ -321,6 +338,10 @@ def unsupported_features(stack: SoftwareStack, plan: object) -> list[str]:
         out.append(f"CP method {method}")
     if plan.train.dtype == "fp8" and not features.fp8:  # type: ignore[attr-defined]
         out.append("FP8")
+    ep, etp = getattr(plan, "ep", 1), getattr(plan, "etp", 1)
+    if not features.moe_folding and "ep" in features.parallelisms and (
+            etp > 1 or (plan.dp * plan.cp) % ep):  # type: ignore[attr-defined]
+        out.append("MoE folding (etp > 1 or ep spanning tp)")
     return out
 
 

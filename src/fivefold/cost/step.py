@@ -49,12 +49,13 @@ from fivefold.cost.flops import hardware_flops_per_step, model_flops_per_step
 from fivefold.cost.host import (bookkeeping_time, ddp_on_cpu, split_backward_host, stack_on_profiled_cpu,
                                  with_host_costs)
 from fivefold.cost.layer import padded_vocab
-from fivefold.cost.layout import (Layout, LayerCosts, RankEnv, RankGroup, layer_costs, rank_envs, stage_owners,
-                                  stage_params)
+from fivefold.cost.layout import (Layout, LayerCosts, RankEnv, RankGroup, expert_inner, layer_costs, rank_envs,
+                                  stage_owners, stage_params)
 from fivefold.cost.memory import RankMemory, in_flight_chunks, zero_model_state_bytes
+from fivefold.cost.moe_breakdown import with_moe_parts
 from fivefold.cost.pipeline import PipelineTime, pipeline_time, walked_pipelines
 from fivefold.cost.results import Estimate, Score, StageCost
-from fivefold.cost.stack import STACKS, DataParallelSync, SoftwareStack, data_parallel_sync
+from fivefold.cost.stack import DEFAULT_STACK, STACKS, DataParallelSync, SoftwareStack, data_parallel_sync
 from fivefold.spec.plan import Plan
 
 
@@ -63,7 +64,7 @@ def estimate(plan: Plan, stack: SoftwareStack | None = None, headroom: float = 0
     the stack's missing features, extrapolation and the error band (cost/credibility.py)."""
     from fivefold.cost.credibility import annotate
 
-    stack = stack or STACKS["modern"]
+    stack = stack or STACKS[DEFAULT_STACK]
     return annotate(estimate_layout(Layout.of_plan(plan), stack, headroom, plan.describe()), plan, stack)
 
 
@@ -127,14 +128,14 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
     model_flops = model_flops_per_step(layout.model, train)
     hardware_flops = hardware_flops_per_step(layout.model, train, layout.recompute)
     peak_sum = sum(ranks.envs[r].device.peak for r in range(p)) * (world // p)
-    slowest = max(ranks.groups, key=lambda g: sum(g.work)).cost
+    slowest = (slowest_group := max(ranks.groups, key=lambda g: sum(g.work))).cost
     comm = {kind: m_batches * getattr(slowest, kind) for kind in ("tp_comm", "cp_comm", "ep_comm")}
     recompute = m_batches * slowest.recompute_compute
     host = m_batches * slowest.host_excess
     compute = pipe.busy - sum(comm.values()) - recompute - host
     breakdown = {"compute": compute, "recompute": recompute, **comm, "host_overhead": host, "pp_comm": pipe.p2p,
                  "bubble": pipe.bubble, "dp_comm": time.dp_exposed_s, "optimizer": time.optimizer_s}
-    return Estimate(
+    return with_moe_parts(Estimate(  # the MoE terms of compute and memory named (cost/moe_breakdown.py)
         describe=describe, world_size=world, micro_batches=m_batches, step_time_s=step,
         tokens_per_s=train.tokens_per_step / step, model_tflops_per_gpu=model_flops / step / world / 1e12,
         hardware_tflops_per_gpu=hardware_flops / step / world / 1e12, mfu=model_flops / (step * peak_sum),
@@ -142,7 +143,8 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
         peak_pp_rank=memory.peak_group.ranks[0], capacity_bytes=memory.peak_group.env.capacity * (1 - headroom),
         rank_memory=rank_memory, stage_costs=time.stages, pipeline_s=pipe.total, bubble_s=pipe.bubble,
         pp_comm_s=pipe.p2p, dp_comm_s=time.dp_comm_s, dp_comm_exposed_s=time.dp_exposed_s,
-        optimizer_s=time.optimizer_s, breakdown_s=breakdown, stack=ranks.stack.name)
+        optimizer_s=time.optimizer_s, breakdown_s=breakdown, stack=ranks.stack.name),
+        layout, slowest_group, memory.peak_group, ranks.stack, ranks.element_bytes)
 
 
 def _rank_groups(layout: Layout, stack: SoftwareStack) -> _RankGroups:
@@ -154,7 +156,7 @@ def _rank_groups(layout: Layout, stack: SoftwareStack) -> _RankGroups:
     costed once.
     """
     topology = topology_of(layout.cluster)
-    envs = rank_envs(layout, topology)
+    envs = rank_envs(layout, topology, expert_inner(layout, stack))
     if envs[0].device.host is not None:  # CPU ranks profiled with host costs: the stack's CPU variant
         stack = stack_on_profiled_cpu(layout, stack)
     p = layout.pp
@@ -162,7 +164,7 @@ def _rank_groups(layout: Layout, stack: SoftwareStack) -> _RankGroups:
     tokens = layout.micro_batch * layout.train.seq_len // layout.cp
     activation_message = tokens * layout.model.hidden * e / layout.tp  # SP shard, or Megatron scatter-gather
     replica_shard = layout.dp * layout.cp
-    expert_shard = max(1, replica_shard // layout.ep)
+    expert_shard = envs[0].expert_replicas.size  # edp: ranks holding the same expert slice (folding)
     dropout = stack.uses_dropout(layout.model)
     embedding_activation = tokens * layout.model.hidden * (e + (1 if dropout else 0)) / (
         layout.tp if layout.sequence_parallel else 1)  # the embedding output (and dropout mask) fed to layer 1

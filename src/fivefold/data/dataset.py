@@ -5,14 +5,17 @@ Files:
   (no sidecar: uint16, the nanoGPT convention);
 - `NAME.npy`: a 1-D integer NumPy array;
 - anything else is read as UTF-8 text, tokenized once into `NAME.<tokenizer>.bin` (+ sidecar) next to it,
-  and reused while the text's size and modification time are unchanged.
+  and reused while the text's size and modification time are unchanged (`cached_tokens`, which
+  data/sources.py also uses for JSONL, Parquet and `datasets` folders).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -35,6 +38,7 @@ class TokenDataset:
         self.name = name  # the path (or "builtin") for messages and checkpoint metadata
         self.vocab_size = vocab_size  # size of the tokenizer's vocabulary when known
         self.end_of_document = end_of_document  # the id closing each packed document, when known
+        self.pending_cache: tuple[Path, dict] | None = None  # (cache file, sidecar) not written yet
 
     def check_ids(self, model_vocab: int, chunk: int = 1 << 24) -> None:
         """Every token id is in [0, model_vocab): an id outside would index past the embedding table inside
@@ -97,6 +101,16 @@ def tokenize_text(text: str, tokenizer: Tokenizer) -> np.ndarray:
     return np.asarray(tokenizer.encode(text), dtype=np.uint32)
 
 
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError("--data", str(path), "no such file") from None
+    except UnicodeDecodeError as exc:
+        raise SpecError("--data", str(path), f"not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                                             "give a .bin/.npy token file instead") from None
+
+
 def tokenize_documents(documents: list[str] | tuple[str, ...], tokenizer: Tokenizer) -> np.ndarray:
     """Each document's tokens followed by the tokenizer's end-of-document token (packed documents)."""
     eod = tokenizer.end_of_document
@@ -117,13 +131,7 @@ def write_token_file(text_path: str | Path, out_path: str | Path, tokenizer: Tok
     tokens written in the text itself mark the boundaries."""
     tokenizer = tokenizer or ByteTokenizer()
     text_path = Path(text_path)
-    try:
-        text = text_path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError("--data", str(text_path), "no such file") from None
-    except UnicodeDecodeError as exc:
-        raise SpecError("--data", str(text_path), f"not UTF-8 text ({exc.reason} at byte {exc.start}); "
-                                                  "give a .bin/.npy token file instead") from None
+    text = read_text(text_path)
     stat = text_path.stat()
     if document_separator:
         documents = [d for d in text.split(document_separator) if d.strip()]
@@ -208,9 +216,54 @@ def read_token_file(path: str | Path) -> TokenDataset:
                         meta.get("end_of_document"))
 
 
-def open_dataset(path: str | None, tokenizer: Tokenizer | None = None, min_tokens: int = 0) -> TokenDataset:
-    """The `--data` flag: None -> the built-in corpus; .bin/.npy -> memory-mapped; text -> tokenized once (and
-    the cache beside it written only when it holds at least `min_tokens`)."""
+def source_key(source: Path, text_field: str | None = None) -> str:
+    """What a tokenized cache is keyed by besides the tokenizer: the name, size and modification time of the
+    source file, or of every file under a source folder, and the text field read."""
+    files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
+    digest = hashlib.sha256(str(text_field).encode())
+    for file in files:
+        stat = file.stat()
+        digest.update(f"{file.relative_to(source) if source.is_dir() else file.name}:{stat.st_size}:"
+                      f"{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:24]
+
+
+def cached_tokens(source: Path, cache: Path, tokenizer: Tokenizer, tokenize: Callable[[], np.ndarray],
+                  min_tokens: int = 0, write_cache: bool = True, text_field: str | None = None) -> TokenDataset:
+    """The tokens of `source` from `cache` (NAME.bin + NAME.json beside it) while its key (source_key) still
+    matches, else `tokenize()` once. With write_cache False nothing is written: the dataset is in memory and
+    `write_pending_cache` writes it later (after every check of the command has passed)."""
+    key = source_key(source, text_field)
+    meta = json.loads(_sidecar(cache).read_text()) if _sidecar(cache).is_file() and cache.is_file() else {}
+    if meta.get("source_key") == key:
+        return read_token_file(cache)
+    tokens = tokenize()
+    if len(tokens) < min_tokens:
+        raise SpecError("--data", str(source), f"has {len(tokens)} tokens; one sequence needs seq_len + 1 = "
+                                               f"{min_tokens}")
+    meta = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
+            "end_of_document": tokenizer.end_of_document, "source": str(source), "source_key": key,
+            **({"text_field": text_field} if text_field else {})}
+    if write_cache:
+        return read_token_file(write_tokens(tokens, cache, meta))
+    dataset = TokenDataset(tokens, str(cache), tokenizer.vocab_size, tokenizer.end_of_document)
+    dataset.pending_cache = (cache, meta)
+    return dataset
+
+
+def write_pending_cache(dataset: TokenDataset) -> None:
+    """Write the cache of a dataset tokenized with write_cache=False (no-op for any other dataset)."""
+    if dataset.pending_cache is not None:
+        cache, meta = dataset.pending_cache
+        write_tokens(np.asarray(dataset.tokens), cache, meta)
+        dataset.pending_cache = None
+
+
+def open_dataset(path: str | None, tokenizer: Tokenizer | None = None, min_tokens: int = 0,
+                 write_cache: bool = True) -> TokenDataset:
+    """One file: None -> the built-in corpus; .bin/.npy -> memory-mapped; text -> tokenized once (and the
+    cache beside it written only when it holds at least `min_tokens`). Folders, JSONL, Parquet, `datasets`
+    folders and blends: data/sources.py."""
     tokenizer = tokenizer or ByteTokenizer()
     if path is None:
         return default_dataset(tokenizer)
@@ -219,12 +272,13 @@ def open_dataset(path: str | None, tokenizer: Tokenizer | None = None, min_token
         return read_token_file(file)
     if not file.is_file():
         raise _not_a_file(file)
-    cache = file.with_name(f"{file.name}.{tokenizer.name}.bin")
-    stat = file.stat()
-    meta = json.loads(_sidecar(cache).read_text()) if _sidecar(cache).is_file() and cache.is_file() else {}
-    if (meta.get("source_size"), meta.get("source_mtime_ns")) != (stat.st_size, stat.st_mtime_ns):
-        write_token_file(file, cache, tokenizer, min_tokens)
-    return read_token_file(cache)
+    def tokenize() -> np.ndarray:
+        from fivefold.data.documents import tokenize_text_blocks  # `datasets`: progress bar, processes
+
+        return tokenize_text_blocks(read_text(file), tokenizer, str(file))
+
+    return cached_tokens(file, file.with_name(f"{file.name}.{tokenizer.name}.bin"), tokenizer, tokenize, min_tokens,
+                         write_cache)
 
 
 def default_dataset(tokenizer: Tokenizer | None = None) -> TokenDataset:

@@ -28,6 +28,8 @@ from fivefold.spec import Plan
 
 GIB = 2**30
 PARTS = ("params", "grads", "optimizer", "activations", "transient")
+BALANCED_NOTE = ("MoE token splits fixed at the balanced expectation: each expert computes tokens x top_k / experts "
+                 "copies per micro-batch (the router's real choice needs token values)")
 
 
 class DryRunBuildError(FivefoldError):
@@ -87,6 +89,7 @@ class DryRun:
     stack: str
     ranks: list[RankResult] = field(default_factory=list)
     seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)  # what the dry run fixed that a real run decides
 
     @property
     def fits(self) -> bool:
@@ -94,7 +97,22 @@ class DryRun:
 
     def to_dict(self) -> dict:
         return {"plan": self.describe, "device": self.device, "world_size": self.world_size, "stack": self.stack,
-                "fits": self.fits, "seconds": round(self.seconds, 2), "ranks": [r.to_dict() for r in self.ranks]}
+                "fits": self.fits, "seconds": round(self.seconds, 2), "notes": self.notes,
+                "ranks": [r.to_dict() for r in self.ranks]}
+
+
+# Micro-batches one rank steps through on fake tensors: each costs a full-scale forward and backward of its
+# stages (~0.1-1 s of CPU at 70B scale), and the peak is reached within the first 2 x pp of them (1F1B's warm-up),
+# so a larger step is refused at once rather than run for hours without an end in sight.
+MAX_DRY_RUN_MICRO_BATCHES = 1024
+
+
+def check_dry_run_size(plan: Plan) -> None:
+    most = max(plan.micro_batches_of_replica(replica) for replica in range(plan.dp))
+    if most > MAX_DRY_RUN_MICRO_BATCHES:
+        raise SpecError("plan.num_micro_batches", most, f"micro-batches on one rank, more than the dry run steps "
+                        f"({MAX_DRY_RUN_MICRO_BATCHES:,}); raise --micro-batch or lower --global-batch (the memory "
+                        "peak does not grow past 2 x pp micro-batches)")
 
 
 def default_device(plan: Plan) -> str:
@@ -143,18 +161,18 @@ def _rank_result(plan: Plan, rank: int, answer: dict, rank_memory: list) -> Rank
 def dry_run(plan: Plan, device: str | None = None, stack_name: str = "fivefold",
             on_rank: Callable[[RankResult], None] | None = None, jobs: int | None = None) -> DryRun:
     """Dry-run every kind of rank of `plan`; raise DryRunBuildError on the first rank that fails."""
+    check_dry_run_size(plan)  # before the imports below load torch: a refusal comes at once
     from fivefold.cost import estimate, stack_named
     from fivefold.runtime.launch import check_runnable
 
     device = device or default_device(plan)
     # What `fivefold train` refuses before it starts, less the count of GPUs on this machine (none needed here).
     check_runnable(plan, plan.world_size, device, gpus=plan.world_size)
-    if plan.model.is_moe:
-        raise SpecError("model.experts", plan.model.experts, "the dry run cannot step MoE layers: how many tokens "
-                        "each expert gets depends on the token values, which fake tensors do not have")
     stack = stack_named(stack_name)
     predicted = estimate(plan, stack)
     result = DryRun(plan.describe(), device, plan.world_size, stack.name)
+    if plan.model.is_moe:  # fake tensors have no values to route by (dryrun/rank.py balanced_moe)
+        result.notes.append(BALANCED_NOTE)
     started = time.perf_counter()
     ranks = representative_ranks(plan)
     # One process per kind of rank, as many at once as there are cores (each is single-threaded).

@@ -17,6 +17,9 @@ BREAKDOWN_LABELS = {
     "ep_comm": "expert-parallel all-to-all", "host_overhead": "waiting on kernel launches (CPU)",
     "pp_comm": "pipeline transfers (fill/drain)", "bubble": "pipeline bubble",
     "dp_comm": "data-parallel / ZeRO communication (exposed)", "optimizer": "optimizer step",
+    "moe_router": "MoE router (GEMM, fp32 softmax / top-k)", "moe_permute": "MoE token permute / unpermute",
+    "moe_experts": "MoE expert GEMMs (grouped, per-expert tokens)", "moe_shared_experts": "MoE shared experts",
+    "moe_host_sync": "MoE host sync on token counts",
 }
 
 

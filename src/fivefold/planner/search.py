@@ -22,44 +22,26 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 from fivefold.cost.layout import Layout, layer_work, pacing_replica
 from fivefold.cost.results import Score
-from fivefold.cost.stack import STACKS, SoftwareStack
+from fivefold.cost.stack import DEFAULT_STACK, STACKS, SoftwareStack
 from fivefold.cost.step import estimate, score_layout
 from fivefold.errors import SpecError
+from fivefold.planner.refusals import check_before_search
 from fivefold.planner.candidates import Candidate, NoFeasiblePlan, SearchResult
 from fivefold.planner.explain import infeasible_message
+from fivefold.planner.found import _found, _Found
 from fivefold.planner.mixed import (REPLICAS, STAGES, PlacementOption, fit_memory, is_mixed, placement_options,
                                     replica_shares, roomier, speed_balanced_layers, work_bound)
 from fivefold.planner.space import (Choices, balanced_layers, check_stack_choices, cp_method_options, degree_options,
-                                    fixed_text, micro_batch_options, recompute_options, schedule_bound,
+                                    etp_options, fixed_text, micro_batch_options, recompute_options, schedule_bound,
                                     schedule_options, sequence_parallel_option, useful_cp_methods, zero_options)
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import Plan, default_layers_per_stage, stage_owners
 from fivefold.spec.train import TrainSpec
-
-
-# Near-ties go to the simpler plan: each extra moving part (context or expert parallelism, a pipeline,
-# interleaving, a ZeRO level, full recompute) must buy at least 0.2% of step time to rank higher.
-SIMPLICITY_MARGIN = 0.002
-
-
-@dataclass(order=True)
-class _Found:
-    key: float  # step time, scaled by the simplicity margin
-    time: float = field(compare=False)
-    signature: tuple = field(compare=False)  # (dp, tp, pp, cp, ep, micro_batch, schedule, virtual_stages)
-    recompute: str = field(compare=False)
-    zero: int = field(compare=False)
-    sequence_parallel: bool = field(compare=False)
-    layers_per_stage: tuple[int, ...] = field(compare=False)
-    option: PlacementOption | None = field(compare=False, default=None)  # None: identity, one device type
-    replica_micro_batches: tuple[int, ...] = field(compare=False, default=())  # () = even
-    cp_method: str = field(compare=False, default="allgather")
 
 
 class _Context:
@@ -72,6 +54,7 @@ class _Context:
         self.stack, self.headroom, self.cost, self.threshold = stack, headroom, cost, threshold
         self.mixed = is_mixed(cluster)
         self.cp_method = "allgather"  # the context-parallel method of the degrees being searched
+        self.etp = 1  # the expert tensor-parallel degree of the degrees being searched
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Choices | None = None,
@@ -79,13 +62,14 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
            progress: Callable[[int, int, float], None] | None = None) -> SearchResult:
     """Rank the plans of `model` on `cluster` by predicted step time; only plans that fit are returned."""
     choices = choices or Choices()
-    stack = stack or STACKS["modern"]
+    stack = stack or STACKS[DEFAULT_STACK]
     if not 0 <= headroom < 1:
         raise SpecError("--headroom", headroom, "must be a fraction in [0, 1), e.g. 0.1 keeps 10% free")
     if top < 1:
         raise SpecError("--top", top, "must be at least 1")
     started = time.perf_counter()
     check_stack_choices(stack, choices, train)
+    check_before_search(model, cluster, train, choices)
     degrees = degree_options(model, cluster, train, choices, stack)
     if not degrees:
         raise SpecError("plan degrees", fixed_text(choices) or "(none fixed)",
@@ -114,7 +98,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
 
     ctx = _Context(model, cluster, train, choices, stack, headroom, cost, threshold)
     ordered = _order_by_bound(ctx, degrees)
-    for done, ((dp, tp, pp, cp, ep), ctx.cp_method) in enumerate(ordered):
+    for done, ((dp, tp, pp, cp, ep), ctx.cp_method, ctx.etp) in enumerate(ordered):
         if progress is not None and time.perf_counter() - last_report > 0.25:
             last_report = time.perf_counter()
             progress(done, len(ordered), last_report - started)
@@ -155,7 +139,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
 
     explanation = explain_difference(candidates[0], candidates[1]) if len(candidates) > 1 else \
         "only one plan fits"
-    ctx.cp_method = ranked[0].cp_method  # the alternatives keep the winner's method
+    ctx.cp_method, ctx.etp = ranked[0].cp_method, ranked[0].etp  # the alternatives keep the winner's
     placement = explain_placement(candidates[0], *_alternatives(ctx, ranked[0])) if ctx.mixed else []
     return SearchResult(candidates[:top], examined, costed, time.perf_counter() - started, explanation,
                         placement=placement)
@@ -273,15 +257,6 @@ def _fit_memory(ctx: _Context, score: Score, layout: Layout) -> tuple[Score, Lay
     return fit_memory(score, layout, ctx.stack, ctx.cost)
 
 
-def _found(score: Score, signature: tuple, variant: tuple[str, int], sequence_parallel: bool,
-           layout: Layout, option: PlacementOption | None) -> _Found:
-    dp, tp, pp, cp, ep, micro_batch, schedule, virtual = signature
-    parts = (cp > 1) + (ep > 1) + (pp > 1) + (virtual > 1) + variant[1] + (variant[0] == "full")
-    return _Found(score.step_time_s * (1 + SIMPLICITY_MARGIN * parts), score.step_time_s, signature, variant[0],
-                  variant[1], sequence_parallel, layout.layers_per_stage, option, layout.replica_micro_batches,
-                  layout.cp_method)
-
-
 def _split(ctx: _Context, signature: tuple, sequence_parallel: bool, rc: str,
            option: PlacementOption | None) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(layers per stage, micro-batches per replica): the user's layers, or balanced by cost; on a mixed
@@ -318,7 +293,8 @@ def _layout(ctx: _Context, signature: tuple, layers_per_stage: tuple[int, ...], 
             replicas: tuple[int, ...] = ()) -> Layout:
     dp, tp, pp, cp, ep, micro_batch, schedule, virtual = signature
     layout = Layout(model=ctx.model, cluster=ctx.cluster, train=ctx.train, dp=dp, tp=tp, pp=pp, cp=cp,
-                    cp_method=ctx.cp_method, ep=ep, zero=zero, micro_batch=micro_batch, schedule=schedule,
+                    cp_method=ctx.cp_method, ep=ep, etp=ctx.etp, zero=zero, micro_batch=micro_batch,
+                    schedule=schedule,
                     virtual_stages=virtual,
                     layers_per_stage=tuple(layers_per_stage), recompute=recompute,
                     sequence_parallel=sequence_parallel, placement=option.devices if option is not None else (),
@@ -330,7 +306,7 @@ def _layout(ctx: _Context, signature: tuple, layers_per_stage: tuple[int, ...], 
 
 def _plan(ctx: _Context, found: _Found, **changes: object) -> Plan:
     dp, tp, pp, cp, ep, micro_batch, schedule, virtual = found.signature
-    fields = dict(dp=dp, tp=tp, pp=pp, cp=cp, cp_method=found.cp_method, ep=ep, zero=found.zero,
+    fields = dict(dp=dp, tp=tp, pp=pp, cp=cp, cp_method=found.cp_method, ep=ep, etp=found.etp, zero=found.zero,
                   micro_batch=micro_batch, schedule=schedule,
                   virtual_stages=virtual, layers_per_stage=found.layers_per_stage, recompute=found.recompute,
                   sequence_parallel=found.sequence_parallel,
@@ -379,20 +355,22 @@ def _alternatives(ctx: _Context, found: _Found) -> tuple[list[tuple[PlacementOpt
 
 
 def _order_by_bound(ctx: _Context, degrees: list[tuple[int, int, int, int, int]]
-                    ) -> list[tuple[tuple[int, int, int, int, int], str]]:
-    """(degrees, cp method) sorted by the lower bound of their smallest micro-batch (promising layouts first);
-    of the cp methods, those space.useful_cp_methods keeps."""
+                    ) -> list[tuple[tuple[int, int, int, int, int], str, int]]:
+    """(degrees, cp method, etp) sorted by the lower bound of their smallest micro-batch (promising layouts
+    first); of the cp methods, those space.useful_cp_methods keeps; every etp that folds (space.etp_options)."""
     keyed = []
     for dp, tp, pp, cp, ep in degrees:
         micro_batches = micro_batch_options(ctx.train, dp, ctx.choices, pp, ctx.stack)
         if not micro_batches:
             continue
-        micro_batch, bounds = micro_batches[0], {}
-        for ctx.cp_method in cp_method_options(ctx.model, tp, cp, ctx.choices, ctx.stack):
-            probe = _layout(ctx, (dp, tp, pp, cp, ep, micro_batch, "1f1b", 1), (1,) * pp, "none",
-                            sequence_parallel_option(tp, ctx.choices), 0)
-            bounds[ctx.cp_method] = _family_bound(ctx, probe, ctx.train.global_batch // (dp * micro_batch))[0]
-        for method in useful_cp_methods(ctx.model, ctx.cluster, ctx.train, (tp, pp, cp), micro_batch, bounds):
-            keyed.append((bounds[method], (dp, tp, pp, cp, ep), method))
+        micro_batch = micro_batches[0]
+        for ctx.etp in etp_options(ctx.model, tp, cp, dp, ep, ctx.choices, ctx.stack):
+            bounds = {}
+            for ctx.cp_method in cp_method_options(ctx.model, tp, cp, ctx.choices, ctx.stack):
+                probe = _layout(ctx, (dp, tp, pp, cp, ep, micro_batch, "1f1b", 1), (1,) * pp, "none",
+                                sequence_parallel_option(tp, ctx.choices), 0)
+                bounds[ctx.cp_method] = _family_bound(ctx, probe, ctx.train.global_batch // (dp * micro_batch))[0]
+            for method in useful_cp_methods(ctx.model, ctx.cluster, ctx.train, (tp, pp, cp), micro_batch, bounds):
+                keyed.append((bounds[method], (dp, tp, pp, cp, ep), method, ctx.etp))
     keyed.sort()
-    return [(degrees, method) for _, degrees, method in keyed]
+    return [(degrees, method, etp) for _, degrees, method, etp in keyed]

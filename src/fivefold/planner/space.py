@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from fivefold.cost.compute import dtype_bytes
 from fivefold.cost.context import context_parallel_kept_bytes
 from fivefold.cost.pipeline import bubble_ratio
-from fivefold.cost.stack import STACKS, SoftwareStack
+from fivefold.cost.stack import DEFAULT_STACK, STACKS, SoftwareStack
 from fivefold.errors import SpecError
 from fivefold.spec.checks import check_count
 from fivefold.spec.cluster import ClusterSpec
@@ -38,6 +38,7 @@ class Choices:
     pp: int | None = None
     cp: int | None = None
     ep: int | None = None
+    etp: int | None = None  # expert tensor parallel (MoE parallel folding); the search tries 1 and tp
     micro_batch: int | None = None
     schedule: str | None = None
     virtual_stages: int | None = None
@@ -49,7 +50,7 @@ class Choices:
 
     def __post_init__(self) -> None:
         # A fixed choice of 0 or less is a mistake, never "search over it" (that is None).
-        for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "etp", "micro_batch", "virtual_stages"):
             value = getattr(self, name)
             if value is not None:
                 check_count(value, f"--{name.replace('_', '-')}")
@@ -86,7 +87,7 @@ def degree_options(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     """Every (dp, tp, pp, cp, ep) whose product is the world size, that Plan.validate accepts and that the
     stack can run."""
     world = cluster.world_size
-    can = (stack or STACKS["modern"]).features.parallelisms
+    can = (stack or STACKS[DEFAULT_STACK]).features.parallelisms
     max_tp, max_pp, max_cp = (world if dim in can else 1 for dim in ("tp", "pp", "cp"))
     mlp_width = model.expert_ffn_hidden if model.is_moe else model.ffn_hidden
     out = []
@@ -104,14 +105,30 @@ def degree_options(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                     continue
                 if train.global_batch % dp:
                     continue
-                if model.is_moe and "ep" in can:
-                    experts_options = [ep for ep in divisors(dp * cp) if model.experts % ep == 0]
+                if model.is_moe and "ep" in can:  # folding: ep over tp x cp x dp (spanning tp), else dp x cp
+                    folds = stack is not None and stack.features.moe_folding or stack is None
+                    experts_options = [ep for ep in divisors(dp * cp * tp if folds else dp * cp)
+                                       if model.experts % ep == 0 and etp_options(model, tp, cp, dp, ep, choices,
+                                                                                   stack)]
                 else:
                     experts_options = [1]
                 for ep in experts_options:
                     if _allowed(ep, choices.ep):
                         out.append((dp, tp, pp, cp, ep))
     return out
+
+
+def etp_options(model: ModelSpec, tp: int, cp: int, dp: int, ep: int, choices: Choices,
+                stack: SoftwareStack | None = None) -> list[int]:
+    """Expert tensor-parallel degrees for these degrees: the fixed --etp, else 1 (whole experts, ep may span tp)
+    and tp (Megatron-Core's default: experts split like the MLP), those that fold (ep x etp divides
+    tp x cp x dp, etp divides the expert width). A stack without folding runs etp 1 only."""
+    if not model.is_moe:
+        return [1]
+    folds = stack is None or stack.features.moe_folding
+    wanted = [choices.etp] if choices.etp is not None else sorted({1, tp}) if folds else [1]
+    return [etp for etp in wanted if (tp * cp * dp) % (ep * etp) == 0 and model.expert_ffn_hidden % etp == 0
+            and (folds or etp == 1)]
 
 
 def micro_batch_options(train: TrainSpec, dp: int, choices: Choices, pp: int = 1,
@@ -142,7 +159,7 @@ def schedule_options(model: ModelSpec, pp: int, micro_batches: int, choices: Cho
             options.append(("zbv", 2))
         if choices.schedule == "gpipe":
             options.append(("gpipe", 1))
-    runs = (stack or STACKS["modern"]).features.schedules
+    runs = (stack or STACKS[DEFAULT_STACK]).features.schedules
     return [(s, v) for s, v in options if (choices.schedule is None or s == choices.schedule)
             and _allowed(v, choices.virtual_stages) and s in runs]
 
@@ -166,7 +183,7 @@ def zero_options(dp: int, cp: int, choices: Choices, uneven_replicas: bool = Fal
         return [choices.zero]
     if dp * cp == 1:
         return [0]
-    levels = (stack or STACKS["modern"]).features.zero_levels
+    levels = (stack or STACKS[DEFAULT_STACK]).features.zero_levels
     wanted = [0, 1] if uneven_replicas else [1, 2, 3]
     kept = [zero for zero in wanted if zero in levels]
     # A stack without ZeRO-1 (TorchTitan: DDP or FSDP2) keeps its plain data parallelism as the fast option.

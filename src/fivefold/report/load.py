@@ -19,12 +19,16 @@ from pathlib import Path
 
 from fivefold.errors import SpecError
 from fivefold.spec import Plan, load_plan
+from fivefold.spec.jsonfields import Fields
 
 WARMUP_STEPS = 2
 METRICS_FILE = "metrics.jsonl"
 PLAN_FILE = "plan.toml"
 TRACE_FILE = "trace.jsonl"  # the name runtime/trace.py writes
 REQUIRED_FIELDS = ("step", "step_time_s", "tokens_per_s", "mfu", "peak_memory_gib")
+# Numbers a record may hold beyond REQUIRED_FIELDS (loss and grad_norm are NaN on a bad step).
+LOGGED_NUMBERS = ("loss", "grad_norm", "lr", "tokens", "wall_time", "aux_loss", "expert_rank_imbalance",
+                  "expert_rank_imbalance_median", "expert_load_max_over_mean", "eval_loss", "eval_perplexity")
 SPAN_FIELDS = ("rank", "step", "kind", "stage", "micro_batch", "start", "end")
 
 
@@ -64,6 +68,33 @@ def _read_jsonl(path: Path, what: str) -> list[dict]:
             raise SpecError(f"{path}:{number}", line[:40], f"is not a JSON object; a {what} holds one per line")
         rows.append(row)
     return rows
+
+
+def check_record(record: dict, where: str) -> None:
+    """One metrics record holds what `fivefold train` writes, with its types (spec/jsonfields.py)."""
+    fields = Fields(record, where)
+    fields.count("step", minimum=0)
+    for name in ("step_time_s", "tokens_per_s", "mfu", "peak_memory_gib"):
+        fields.real(name, minimum=0)
+    if "first_step" in record:
+        fields.count("first_step", minimum=0)
+    for name in record:
+        if name.endswith("_per_rank"):
+            fields.reals(name)
+        elif name in LOGGED_NUMBERS and not (isinstance(record[name], (int, float))
+                                             and not isinstance(record[name], bool)):
+            raise fields.fail(name, record[name], "must be a number (NaN marks a bad step)")
+
+
+def check_span(span: dict, where: str) -> None:
+    """One trace span as runtime/trace.py writes it."""
+    fields = Fields(span, where)
+    fields.count("rank", minimum=0)
+    fields.count("step", minimum=0)
+    fields.text("kind")
+    fields.count("stage", minimum=-1)
+    fields.count("micro_batch", minimum=-1)
+    fields.real("end", minimum=fields.real("start"))
 
 
 def _last_history(records: list[dict]) -> list[dict]:
@@ -108,10 +139,11 @@ def load_run(path: str | Path) -> Run:
     if not records:
         raise SpecError("run", str(metrics_path), "holds no steps; let `fivefold train` run at least one step")
     for number, record in enumerate(records, 1):
-        missing = [name for name in REQUIRED_FIELDS if not isinstance(record.get(name), (int, float))]
+        missing = [name for name in REQUIRED_FIELDS if name not in record]
         if missing:
             raise SpecError(f"{metrics_path}:{number}", ",".join(missing),
-                            "missing or not numbers; the report reads what `fivefold train --metrics-file` writes")
+                            "missing; the report reads what `fivefold train --metrics-file` writes")
+        check_record(record, f"{metrics_path}:{number}")
     records = _last_history(records)
     for name in ("peak_memory_gib_per_rank", "step_time_s_per_rank"):
         for record in records:
@@ -129,6 +161,7 @@ def load_run(path: str | Path) -> Run:
             if missing:
                 raise SpecError(f"{trace_path}:{number}", ",".join(missing),
                                 "missing; the report reads what `fivefold train --trace` writes")
+            check_span(span, f"{trace_path}:{number}")
         ranks = {span.get("rank") for span in trace}
         if not ranks <= set(range(plan.world_size)):
             raise SpecError(str(trace_path), sorted(ranks - set(range(plan.world_size)), key=str)[:3],

@@ -170,7 +170,8 @@ class Checkpointer:
 
     def train_state(self, step: int) -> dict:
         """Plain ints and strings, the same on every rank; written into fivefold.json by rank 0."""
-        return {"step": step, "loader": self.loader.state_dict(), "lr_schedule": self.schedule()}
+        return {"step": step, "loader": self.loader.state_dict(), "lr_schedule": self.schedule(),
+                "optimizer": self.config.optimizer_record()}
 
     def state_dict(self) -> dict:
         return {"model": get_model_state_dict(self.model),

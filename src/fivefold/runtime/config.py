@@ -16,7 +16,12 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from fivefold.errors import SpecError, require
+from fivefold.runtime.schedule import check_optimizer_flags, lr_at, optimizer_record
 from fivefold.spec import Plan, plan_from_dict
+
+MAX_LR = 10.0  # a peak learning rate above this diverges on the first step
+MAX_TIMEOUT_S = 7 * 24 * 3600  # torch keeps collective timeouts in milliseconds; a week is already no timeout
+MAX_FACTOR = 1e6  # gradient norms and slowdown factors
 
 
 @dataclass
@@ -31,6 +36,10 @@ class RunConfig:
     grad_clip: float = 1.0  # max global gradient norm
     data: str | None = None  # token file (.bin/.npy) or text file; None = the built-in corpus
     tokenizer: str | None = None  # HF tokenizer.json for text data; None = bytes
+    text_field: str = "text"  # the column of JSONL / Parquet / `datasets` rows that holds the text
+    eval_data: str | None = None  # validation data, any --data form; None = no evaluation
+    eval_every: int = 0  # evaluate every N steps (and after the last); 0 = only after the last step
+    eval_batches: int = 4  # global batches per evaluation (the same ones every time, under every plan)
     device: str = "auto"  # cpu | cuda | auto
     metrics_file: str | None = None  # JSON lines, written by rank 0
     tensorboard: str | None = None  # folder of TensorBoard event files (per-step scalars), written by rank 0
@@ -53,6 +62,12 @@ class RunConfig:
     progress_file: str | None = None  # rank 0 writes the last finished step here (the launcher's interrupt line)
     metrics_every: int = 10  # gather per-rank metrics every N steps (runtime/bookkeeping.py)
     compile: bool = False  # torch.compile each transformer block (runtime/parallelize.py apply_compile)
+    lr_schedule: str = "cosine"  # cosine | wsd | linear | constant, after the warmup (runtime/schedule.py)
+    min_lr: float | None = None  # where the decay ends; None = 10% of --lr
+    decay_steps: int | None = None  # WSD: the last steps that decay to min_lr; None = 20% of the steps
+    weight_decay: float = 0.1  # AdamW decoupled weight decay of matrices (none on norms and biases)
+    betas: str = "0.9,0.95"  # AdamW betas, two numbers (GPT-3 / Llama)
+    eps: float = 1e-8  # AdamW epsilon
 
     # Filled in by the launcher or the caller, never given as a `train` flag.
     DERIVED = frozenset({"plan_toml", "show_progress", "progress_to_stderr", "checkpoint_async", "resume_from",
@@ -102,33 +117,77 @@ class RunConfig:
                 "must be at least 1 step")
         require(self.steps >= 1, "--steps", self.steps, "must be at least 1")
         require(self.metrics_every >= 1, "--metrics-every", self.metrics_every, "must be at least 1 step")
+        self.validate_eval()
         self.validate_numbers()
+        check_optimizer_flags(self.lr, self.steps, self.warmup_steps, self.lr_schedule, self.min_lr,
+                              self.decay_steps, self.weight_decay, self.betas, self.eps)
         self.validate_paths()
 
     def validate_numbers(self) -> None:
         """The optimizer and schedule flags: finite, positive where zero or less cannot train."""
-        require(math.isfinite(self.lr) and self.lr > 0, "--lr", self.lr, "must be a positive finite number, e.g. 3e-3")
-        require(math.isfinite(self.grad_clip) and self.grad_clip > 0, "--grad-clip", self.grad_clip,
-                "must be a positive finite gradient norm, e.g. 1.0 (clipping cannot be turned off)")
+        require(math.isfinite(self.lr) and 0 < self.lr <= MAX_LR, "--lr", self.lr,
+                f"must be a positive finite number up to {MAX_LR:g}, e.g. 3e-3")
+        require(math.isfinite(self.grad_clip) and 0 < self.grad_clip <= MAX_FACTOR, "--grad-clip", self.grad_clip,
+                f"must be a positive finite gradient norm up to {MAX_FACTOR:g}, e.g. 1.0 (clipping cannot be turned off)")
         require(self.warmup_steps >= 0, "--warmup-steps", self.warmup_steps, "must be 0 or more")
         require(0 <= self.seed < 2**63, "--seed", self.seed, "must be an integer from 0 to 2**63-1")
-        require(math.isfinite(self.collective_timeout), "--collective-timeout", self.collective_timeout,
-                "must be a finite number of seconds")
-        require(math.isfinite(self.max_loss_spike), "--max-loss-spike", self.max_loss_spike,
-                "must be a finite factor above 1, or 0 to disable")
-        require(math.isfinite(self.straggler_factor), "--straggler-factor", self.straggler_factor,
-                "must be a finite factor above 1, or 0 to disable")
+        require(math.isfinite(self.collective_timeout) and self.collective_timeout <= MAX_TIMEOUT_S,
+                "--collective-timeout", self.collective_timeout, f"must be a finite number of seconds up to "
+                f"{MAX_TIMEOUT_S:,} (a week)")
+        require(math.isfinite(self.max_loss_spike) and self.max_loss_spike <= MAX_FACTOR, "--max-loss-spike",
+                self.max_loss_spike, f"must be a finite factor above 1 (at most {MAX_FACTOR:g}), or 0 to disable")
+        require(math.isfinite(self.straggler_factor) and self.straggler_factor <= MAX_FACTOR, "--straggler-factor",
+                self.straggler_factor, f"must be a finite factor above 1 (at most {MAX_FACTOR:g}), or 0 to disable")
+
+    def validate_eval(self) -> None:
+        """--eval-every / --eval-batches: counts, and only with --eval-data."""
+        require(self.eval_every >= 0, "--eval-every", self.eval_every,
+                "must be 0 (only after the last step) or a positive step count")
+        require(self.eval_batches >= 1, "--eval-batches", self.eval_batches, "must be at least 1 global batch")
+        if not self.eval_data:
+            require(self.eval_every == 0, "--eval-every", self.eval_every, "needs --eval-data (validation data)")
+            require(self.eval_batches == 4, "--eval-batches", self.eval_batches,
+                    "needs --eval-data (validation data)")
+
+    def optimizer_record(self) -> dict[str, Any]:
+        """The optimizer and schedule settings a checkpoint records and a resume must repeat."""
+        return optimizer_record(self.lr_schedule, self.min_lr, self.decay_steps, self.weight_decay, self.betas,
+                                self.eps)
+
+    def lr_of_step(self, step: int) -> float:
+        """The learning rate of 0-based optimizer step `step`."""
+        return lr_at(step, self.lr, self.warmup_steps, self.steps, self.lr_schedule, self.min_lr, self.decay_steps)
 
     def validate_paths(self) -> None:
         """Output paths of the right kind in a writable place; nothing is created here."""
-        from fivefold.outputs import check_output_dir, check_output_file
+        from fivefold.outputs import check_distinct_paths, check_metrics_file, check_output_dir
 
+        check_distinct_paths([("--metrics-file", self.metrics_file), ("--checkpoint-dir", self.checkpoint_dir),
+                              ("--tensorboard", self.tensorboard)],
+                             [("--init-from-hf", self.init_from_hf),
+                              *(("--data", path) for path in data_paths(self.data)),
+                              *(("--eval-data", path) for path in data_paths(self.eval_data))])
         if self.metrics_file:
-            check_output_file(self.metrics_file, "--metrics-file", "metrics.jsonl")
+            check_metrics_file(self.metrics_file)
         if self.checkpoint_dir:
             check_output_dir(self.checkpoint_dir, "--checkpoint-dir")
         if self.tensorboard:
             check_output_dir(self.tensorboard, "--tensorboard")
+
+
+def data_paths(data: str | None) -> list[str]:
+    """The files and folders named by --data: one path, or a blend 'W:PATH,W:PATH'."""
+    if not data:
+        return []
+    paths = []
+    for part in data.split(","):
+        weight, sep, path = part.partition(":")
+        try:
+            float(weight)
+        except ValueError:
+            sep = ""
+        paths.append(path if sep else part)
+    return paths
 
 
 def check_gpu_dtype(dtype: str) -> None:

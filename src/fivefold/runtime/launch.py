@@ -13,6 +13,7 @@ import shlex
 import signal
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
@@ -142,15 +143,22 @@ def resolve_device(kind: str) -> tuple[str, int]:
     return kind, gpus
 
 
-def check_data(plan: Plan, data: str | None, tokenizer: str | None) -> None:
-    """Open (and for text, tokenize once) the data in the launching process, so workers only map it,
-    and check that its token ids fit the model's vocabulary."""
-    from fivefold.data import load_tokenizer, open_dataset
+def check_data(plan: Plan, data: str | None, tokenizer: str | None, text_field: str = "text",
+               flag: str = "--data") -> Any:
+    """Open (and for text, tokenize once) the data in the launching process, so workers only map it, and
+    check that its token ids fit the model's vocabulary. Nothing is written: the caller writes the token
+    caches (data.write_data_caches) once every check of the command has passed. Returns the opened data."""
+    from fivefold.data import load_tokenizer, open_data
 
     tok = load_tokenizer(tokenizer)
     require(tok.vocab_size <= plan.model.vocab, "--tokenizer", tokenizer or "bytes",
             f"has {tok.vocab_size} tokens but model.vocab={plan.model.vocab}; use a larger vocab")
-    dataset = open_dataset(data, tok, min_tokens=plan.train.seq_len + 1)
+    try:
+        dataset = open_data(data, tok, text_field, min_tokens=plan.train.seq_len + 1, write_cache=False)
+    except SpecError as exc:  # the same checks for --eval-data, named as such
+        if flag == "--data":
+            raise
+        raise SpecError(exc.field.replace("--data", flag), exc.value, exc.fix) from None
     if plan.train.document_mask:
         from fivefold.data import end_of_document_id
         from fivefold.data.tokenizer import END_OF_DOCUMENT_NAMES
@@ -158,12 +166,14 @@ def check_data(plan: Plan, data: str | None, tokenizer: str | None) -> None:
         require(end_of_document_id(dataset, tok) is not None, "--document-mask", True,
                 f"the tokenizer {tokenizer} has no end-of-document token (one of {', '.join(END_OF_DOCUMENT_NAMES)}) "
                 "to split packed documents at; use a tokenizer that has one, or leave out --document-mask")
-    if dataset.vocab_size is not None:
-        require(dataset.vocab_size <= plan.model.vocab, "--data", dataset.name,
-                f"was tokenized with {dataset.vocab_size} tokens but model.vocab={plan.model.vocab}")
-    require(len(dataset) > plan.train.seq_len, "--data", dataset.name,
-            f"has {len(dataset)} tokens; one sequence needs seq_len + 1 = {plan.train.seq_len + 1}")
-    dataset.check_ids(plan.model.vocab)  # an id past the embedding table fails only inside a worker
+    for source in getattr(dataset, "sources", [dataset]):
+        if source.vocab_size is not None:
+            require(source.vocab_size <= plan.model.vocab, flag, source.name,
+                    f"was tokenized with {source.vocab_size} tokens but model.vocab={plan.model.vocab}")
+        require(len(source) > plan.train.seq_len, flag, source.name,
+                f"has {len(source)} tokens; one sequence needs seq_len + 1 = {plan.train.seq_len + 1}")
+        source.check_ids(plan.model.vocab)  # an id past the embedding table fails only inside a worker
+    return dataset
 
 
 def prepare_run_dir(plan: Plan, config: RunConfig, plan_file: str | None,

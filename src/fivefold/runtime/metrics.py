@@ -99,9 +99,11 @@ class MetricsFile:
 
 
 def format_step(record: dict[str, Any]) -> str:
+    evaluated = (f"  eval_loss {record['eval_loss']:.4f}  eval_ppl {record['eval_perplexity']:.2f}"
+                 if "eval_loss" in record else "")
     return (f"loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
             f"{record['tokens_per_s']:,.0f} tok/s  mfu {100 * record['mfu']:.2f}%  "
-            f"mem {record['peak_memory_gib']:.2f} GiB  {record['step_time_s'] * 1e3:.1f} ms/step")
+            f"mem {record['peak_memory_gib']:.2f} GiB  {record['step_time_s'] * 1e3:.1f} ms/step" + evaluated)
 
 
 class Progress:

@@ -13,31 +13,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from fivefold.runtime.schedule import lr_at
 from fivefold.spec import MESH_DIMS, Plan
+
+__all__ = ["build_optimizer", "clip_grad_norm_", "clip_to_norm", "local_grad_norm_squared", "lr_at", "set_lr"]
 
 BETAS = (0.9, 0.95)  # GPT-3 / Llama
 WEIGHT_DECAY = 0.1
-MIN_LR_RATIO = 0.1  # cosine decays to 10% of the peak (Chinchilla, Llama)
 
 
-def build_optimizer(params: list[nn.Parameter], lr: float) -> torch.optim.AdamW:
+def build_optimizer(params: list[nn.Parameter], lr: float, weight_decay: float = WEIGHT_DECAY,
+                    betas: tuple[float, float] = BETAS, eps: float = 1e-8) -> torch.optim.AdamW:
     """Weight decay on matrices (ndim >= 2: linear weights and embeddings), none on norms and biases
     (nanoGPT's rule)."""
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=1e-8)
-
-
-def lr_at(step: int, peak_lr: float, warmup_steps: int, total_steps: int) -> float:
-    """Learning rate of 0-based optimizer step `step`: linear warmup to `peak_lr` over `warmup_steps`,
-    then cosine down to MIN_LR_RATIO * peak_lr at the last step."""
-    if step < warmup_steps:
-        return peak_lr * (step + 1) / warmup_steps
-    decay_steps = max(1, total_steps - warmup_steps - 1)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    min_lr = MIN_LR_RATIO * peak_lr
-    return min_lr + 0.5 * (peak_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -52,12 +44,13 @@ def _replicas(plan: Plan, sharded_dims: set[str]) -> int:
     for dim in MESH_DIMS:
         if dim != "pp" and dim not in sharded_dims:
             count *= getattr(plan, dim)
-    # Experts live on the (pp, edp, ep, tp) view of the same world (runtime/expert_parallel.py): ep and
-    # edp together are the dp x cp ranks.
-    if "ep" in sharded_dims:
-        count //= plan.ep
-    if "edp" in sharded_dims:
-        count //= plan.dp * plan.cp // plan.ep
+    # Experts live on the (pp, edp, ep, etp) view of the same world (spec/folding.py): edp x ep x etp are
+    # the tp x cp x dp ranks of a stage, and a slice is replicated over the expert dims that do not split it.
+    expert_dims = {"edp", "ep", "etp"}
+    if sharded_dims & expert_dims:
+        count = plan.tp * plan.cp * plan.dp
+        for dim in expert_dims & sharded_dims:
+            count //= getattr(plan, dim)
     return count
 
 

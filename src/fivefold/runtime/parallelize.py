@@ -86,7 +86,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
             "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         }
         moe = isinstance(block.feed_forward, MoE)
-        if moe:  # experts are not split by tp (runtime/expert_parallel.py says why)
+        if moe:  # the MoE block splits its tokens over tp instead (runtime/expert_folding.py)
             del block_plan["feed_forward.w1"], block_plan["feed_forward.w2"]
         elif block.feed_forward.w3 is not None:
             block_plan["feed_forward.w3"] = ColwiseParallel()
@@ -158,9 +158,24 @@ def apply_compile(model: Transformer) -> None:
     """Compile each transformer block in place (nn.Module.compile keeps the module, so parameter names,
     hooks and checkpoints are unchanged), after TP and activation checkpointing and before FSDP, as
     TorchTitan does. The blocks share one graph: dynamo treats their parameters as inputs, so the first
-    block's compilation serves all (same shapes)."""
+    block's compilation serves all (same shapes).
+
+    torch.fx's interpreter draws a tqdm bar while compiling, and tqdm's default lock is a multiprocessing
+    semaphore: a worker stopped by Ctrl-C leaves it behind and Python's resource tracker prints a warning after
+    fivefold's one interrupt line. A worker draws no bar of its own, so a thread lock serves tqdm as well."""
+    _thread_lock_for_tqdm()
     for block in model.layers.values():
         block.compile(fullgraph=False)
+
+
+def _thread_lock_for_tqdm() -> None:
+    try:
+        from tqdm import tqdm
+    except ImportError:  # no tqdm, no bar and no semaphore
+        return
+    import threading
+
+    tqdm.set_lock(threading.RLock())
 
 
 # --- data parallel / ZeRO --------------------------------------------------------------------------
@@ -191,7 +206,8 @@ class AsyncReduceScatter(DefaultReduceScatter):
 def uses_ddp(plan, device: torch.device) -> bool:
     """On CPU, the layouts spec.plan.reduced_by_ddp names run under DistributedDataParallel (module
     docstring); experts sharded over ep are then each rank's own, and DDP leaves them out (wrap_ddp)."""
-    return device.type == "cpu" and reduced_by_ddp(plan.dp, plan.cp, plan.tp, plan.pp, plan.zero, plan.ep)
+    return device.type == "cpu" and reduced_by_ddp(plan.dp, plan.cp, plan.tp, plan.pp, plan.zero, plan.ep,
+                                                    plan.etp)
 
 
 def _sum_gradients(group, bucket):  # no annotations: DDP checks them, and this module's are strings

@@ -84,16 +84,22 @@ def build_schedule(plan: Plan, stage_models: dict[int, nn.Module], pp_group: tor
 
 
 def run_schedule(schedule: _PipelineSchedule, plan: Plan, own_stages: list[int], inputs: torch.Tensor,
-                 targets: torch.Tensor, extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
-    """One pipelined forward+backward over this replica's rows; the sum of the micro-batch losses when
-    this rank holds the last stage, else None. `extra` (positions, document ids [rows, seq]) goes to every
-    stage, split into micro-batches by rows like the tokens."""
+                 targets: torch.Tensor, extra: dict[str, torch.Tensor] | None = None,
+                 forward_only: bool = False) -> torch.Tensor | None:
+    """One pipelined forward+backward over this replica's rows (`forward_only`: the schedule's forward-only
+    `eval`, for validation); the sum of the micro-batch losses when this rank holds the last stage, else None.
+    `extra` (positions, document ids [rows, seq]) goes to every stage, split into micro-batches by rows like
+    the tokens."""
     holds_first = 0 in own_stages
     holds_last = plan.num_stages - 1 in own_stages
     losses: list[torch.Tensor] = []
     args = (inputs,) if holds_first else ()
-    schedule.step(*args, target=targets if holds_last else None, losses=losses if holds_last else None,
-                  return_outputs=False, **(extra or {}))
+    if forward_only:
+        schedule.eval(*args, target=targets if holds_last else None, losses=losses if holds_last else None,
+                      **(extra or {}))
+    else:
+        schedule.step(*args, target=targets if holds_last else None, losses=losses if holds_last else None,
+                      return_outputs=False, **(extra or {}))
     if not holds_last:
         return None
     return torch.stack([loss.detach() for loss in losses]).sum()

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
+from fivefold.data import write_data_caches
 from fivefold.runtime.config import RunConfig
 from fivefold.runtime.launch import check_data, check_runnable, prepare_run_dir, resolve_device, torchrun_world
 from fivefold.spec import Plan
@@ -52,13 +54,38 @@ def prepare_run(plan: Plan, config: RunConfig, *, nproc: int | None, plan_file: 
         if is_rank0:
             say(line)
     check_runnable(plan, world, device, gpus, local_nproc)
-    check_data(plan, config.data, config.tokenizer)
-    resume_from = resume_checkpoint(plan, config.checkpoint_dir, config.resume, config.seed, config.steps, warn=warn)
+    data = check_data(plan, config.data, config.tokenizer, config.text_field)
+    eval_data = check_data(plan, config.eval_data, config.tokenizer, config.text_field, "--eval-data") \
+        if config.eval_data else None
+    resume_from = resume_checkpoint(plan, config.checkpoint_dir, config.resume, config.seed, config.steps, warn=warn,
+                                    optimizer=config.optimizer_record())
+    if resume_from is not None:
+        check_same_data(resume_from, data, plan, config)
+    for opened in (data, eval_data):  # only now: a refused command writes nothing
+        if opened is not None:
+            write_data_caches(opened)
     run_dir, plan_file = prepare_run_dir(plan, config, plan_file, is_rank0)
     worker_flags = config.to_flags()
     config = dataclasses.replace(config, plan_toml=plan.to_toml(), device=device, run_dir=run_dir,
                                  resume_from=str(resume_from) if resume_from else None)
     return PreparedRun(plan, config, world, worker_flags, plan_file, worker_world[2] if worker_world else None)
+
+
+def check_same_data(checkpoint: Path, data: Any, plan: Plan, config: RunConfig) -> None:
+    """The resumed run's data (sources, blend weights) is the checkpoint's: its saved loader position only means
+    something in the same data. Checked here, so a mismatch is one line before any worker starts."""
+    from fivefold.checkpoint.layout import read_checkpoint_info
+    from fivefold.data import GlobalBatchLoader
+    from fivefold.errors import SpecError
+
+    saved = read_checkpoint_info(checkpoint)["extra"]["train_state"]["loader"]
+    loader = GlobalBatchLoader(data, plan.train.seq_len, plan.train.global_batch, config.seed)
+    key = loader.differs_from(saved)
+    if key is not None:
+        raise SpecError("--data", config.data or "builtin", f"the checkpoint's data had {key}="
+                                                          f"{saved.get(key)}, this data has {key}="
+                                                          f"{loader.state_dict().get(key)}; resume with the same "
+                                                          "data (and blend weights)")
 
 
 def done_lines(summary: dict, config: RunConfig) -> list[str]:

@@ -14,6 +14,8 @@ STEP_SCALARS = {
     "mfu": "speed/mfu",
     "step_time_s": "speed/step_time_s",
     "peak_memory_gib": "memory/peak_gib",
+    "eval_loss": "eval/loss",  # on the steps that evaluate (--eval-data)
+    "eval_perplexity": "eval/perplexity",
 }
 # per-rank lists -> one tag per rank, e.g. step_time_per_rank/rank_1
 PER_RANK_SCALARS = {

@@ -34,13 +34,15 @@ from fivefold.runtime.config import RunConfig, check_gpu_dtype
 from fivefold.runtime.context_parallel import (apply_context_parallel, data_parallel_mesh, positions_per_row,
                                                shard_batch, split_micro_batches)
 from fivefold.runtime.elastic_run import ElasticRun
-from fivefold.runtime.expert_parallel import (expert_mesh, forget_metadata_inference, moe_step_metrics,
-                                              prepare_moe)
+from fivefold.runtime.evaluate import Evaluator
+from fivefold.runtime.expert_parallel import (forget_metadata_inference, moe_step_metrics, prepare_moe,
+                                              sequence_split)
 from fivefold.runtime.knobs import NO_KNOBS, FaultKnobs
 from fivefold.runtime.mesh import Mesh, build_mesh, init_distributed, pick_device
 from fivefold.runtime.metrics import MetricsFile, Progress, StepMeter, summarize
 from fivefold.runtime.bookkeeping import gathers_metrics, reduce_step_totals
-from fivefold.runtime.optim import build_optimizer, clip_to_norm, local_grad_norm_squared, lr_at, set_lr
+from fivefold.runtime.optim import build_optimizer, clip_to_norm, local_grad_norm_squared, set_lr
+from fivefold.runtime.schedule import parse_betas
 from fivefold.runtime.parallelize import (apply_activation_checkpointing, apply_compile, apply_data_parallel,
                                           apply_tensor_parallel, finish_gradient_sync, set_gradient_sync,
                                           uses_ddp, wrap_ddp)
@@ -75,7 +77,8 @@ def build_model_parts(plan: Plan, mesh: Mesh, seed: int, param_dtype: torch.dtyp
     (training on CPU): ZeRO-0 plain dp is left for DDP (train() wraps it after init) and ZeRO-1/2/3 reduce
     asynchronously (runtime/parallelize.py); the dry run keeps the GPU runtime's form."""
     parts = {}
-    moe_mesh = expert_mesh(plan, mesh.device) if plan.ep > 1 else None
+    moe_mesh = mesh.experts
+    moe_tokens = sequence_split(plan, mesh.world) if plan.model.is_moe else None
     dp_mesh = data_parallel_mesh(mesh.world, plan) if plan.dp * plan.cp > 1 else None
     under_ddp = cpu_overlap and uses_ddp(plan, mesh.device)
     for stage in plan.stages_of(mesh.coords["pp"]):
@@ -88,7 +91,8 @@ def build_model_parts(plan: Plan, mesh: Mesh, seed: int, param_dtype: torch.dtyp
         if compile_blocks:
             apply_compile(model)
         if plan.model.is_moe:
-            prepare_moe(model, plan, moe_mesh, param_dtype, under_ddp)  # experts over ep, before dp wraps the blocks
+            # experts over ep x etp, tokens over tp, before dp wraps the blocks
+            prepare_moe(model, plan, moe_mesh, param_dtype, under_ddp, moe_tokens)
         if dp_mesh is not None and not under_ddp:  # summed over dp x cp
             apply_data_parallel(model, dp_mesh, plan.zero, param_dtype, overlap_on_cpu=cpu_overlap)
         model.to_empty(device=mesh.device)
@@ -106,9 +110,9 @@ def replica_rows(plan: Plan, dp_rank: int) -> slice:
 
 
 def make_loader(config: RunConfig, plan: Plan) -> GlobalBatchLoader:
-    from fivefold.data import load_tokenizer, open_dataset
+    from fivefold.data import load_tokenizer, open_data
 
-    dataset = open_dataset(config.data, load_tokenizer(config.tokenizer))
+    dataset = open_data(config.data, load_tokenizer(config.tokenizer), config.text_field)
     return GlobalBatchLoader(dataset, seq_len=plan.train.seq_len, global_batch=plan.train.global_batch,
                              seed=config.seed)
 
@@ -185,7 +189,7 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
     parts = build_model_parts(plan, mesh, config.seed, param_dtype, knobs, config.compile,
                               cpu_overlap=device.type == "cpu")
     params = [p for part in parts.values() for p in part.parameters()]
-    optimizer = build_optimizer(params, config.lr)
+    optimizer = build_optimizer(params, config.lr, config.weight_decay, parse_betas(config.betas), config.eps)
     loader = make_loader(config, plan)
     loss_fn = knobs.loss(TokenCrossEntropy(plan.train.global_batch * plan.train.seq_len), loader,
                          plan.train.global_batch)
@@ -204,6 +208,7 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
                            else None)
     rows = replica_rows(plan, dp_rank)
     end_of_document = end_of_document_of(config, loader) if plan.train.document_mask else None
+    evaluator = Evaluator.for_run(config, plan)  # None without --eval-data
 
     first_step = elastic.start(parts, Checkpointer(config, plan, mesh, parts, optimizer, loader))  # > 0: resumed
     meter = StepMeter(plan, device, mesh.rank, "fp32" if param_dtype is None else "bf16", first_step)
@@ -217,7 +222,7 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
         knobs.step_started(step + 1, mesh.rank, restart)
         position = elastic.begin_step(step + 1, loader)
         tracer.begin_step(step + 1)
-        lr = lr_at(step, config.lr, config.warmup_steps, config.steps)
+        lr = config.lr_of_step(step)
         set_lr(optimizer, lr)
         batch = loader.next_batch()[rows].to(device, non_blocking=True)
 
@@ -243,6 +248,9 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
         record = meter.finish(step + 1, loss, grad_norm, lr, verdict.bad, elastic.forward_seconds(), moe_metrics,
                               gather)
         tracer.end_step()
+        if evaluator is not None and evaluator.due(step + 1):  # after the step's timing: not part of it
+            record.update(evaluator.evaluate(step_model, rows, mesh.coords["cp"], mesh.coords["tp"],
+                                             end_of_document))
         history.append(record)
         if is_rank0:
             metrics.write(record)

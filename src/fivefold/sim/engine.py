@@ -62,51 +62,12 @@ from operator import itemgetter
 from typing import Sequence
 
 from fivefold.errors import SpecError
-from fivefold.sim.replay import (CONTEXT_EXCHANGE, EMBEDDING_SYNC, GRAD_REDUCE, OPTIMIZER,  # noqa: F401 (re-exported)
-                                 PARAM_GATHER, SEND_ACTIVATION, SEND_GRADIENT, Event, Replay)
+from fivefold.sim.replay import Replay
+from fivefold.sim.step_input import (CONTEXT_EXCHANGE, EMBEDDING_SYNC, GRAD_REDUCE, OPTIMIZER,  # noqa: F401 (re-exported)
+                                     PARAM_GATHER, SEND_ACTIVATION, SEND_GRADIENT, Event, StageTimes, StepInput)
 from fivefold.sim.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD,  # noqa: F401 (re-exported)
                                     SPLIT_BACKWARD, rank_orders)
 from fivefold.sim.summary import COMPUTE_KINDS, RankResult, rank_result  # noqa: F401 (COMPUTE_KINDS: re-exported)
-
-
-
-@dataclass(frozen=True)
-class StageTimes:
-    """What one virtual stage costs for one micro-batch (seconds, bytes)."""
-
-    forward: float  # forward compute (+ its exposed tp/cp/ep communication)
-    backward_input: float  # input-gradient part of the backward (+ recompute forward, if any)
-    backward_weight: float  # weight-gradient part of the backward
-    send_activation: float = 0.0  # p2p time of one activation to the next stage (the gradient back: same)
-    activation_bytes: float = 0.0  # memory held per in-flight micro-batch
-    static_bytes: float = 0.0  # parameters + gradients + optimizer states of this stage
-    grad_reduce: float = 0.0  # one data-parallel reduction of this stage's gradients
-    reduce_every_micro_batch: bool = False  # ZeRO-2/3: after every backward; else once, after the last
-    param_gather: float = 0.0  # one all-gather of this stage's parameters
-    reshard_after_forward: bool = False  # weights freed after a forward (ZeRO-3): the next pass gathers
-    reshard_after_backward: bool = False  # weights freed after a backward: the next forward gathers
-    buckets: int = 1  # layers: gradient buckets / gathered modules that are ready one by one
-    cp_forward: float = 0.0  # exposed context-parallel communication inside `forward` (already counted there)
-    cp_backward: float = 0.0  # ... inside `backward_input`
-
-
-@dataclass(frozen=True)
-class StepInput:
-    """Everything the engine needs to replay one step of one pipeline."""
-
-    schedule: str  # gpipe | 1f1b | interleaved-1f1b | zb-h1 | zbv
-    pp: int  # pipeline ranks
-    virtual_stages: int  # stages per rank
-    micro_batches: int  # micro-batches per step
-    stages: tuple[StageTimes, ...]  # one per virtual stage, in model order
-    optimizer: tuple[float, ...] = ()  # optimizer step seconds per pp rank; () = none
-    tied_embedding_sync: float = 0.0  # all-reduce of the tied embedding gradient, first <-> last stage
-    rank_base_bytes: tuple[float, ...] = ()  # memory per pp rank besides states and activations
-    overlap_grad_reduce: bool = True  # reduce bucket by bucket under the backward; else after it, blocking
-    overlap_param_gather: bool = True  # gather layer by layer ahead of compute; else the pass waits for all
-    async_p2p: bool = True  # sends run beside compute; else the sender waits until its send is through
-    rank_labels: tuple[str, ...] = ()  # how to name each pp rank in pictures; () = "pp0", "pp1", ...
-    title: str = ""  # one line naming the plan
 
 
 @dataclass

@@ -23,6 +23,9 @@ from fivefold.sim.engine import SimResult, StageTimes, StepInput, simulate_repli
 from fivefold.spec.plan import Plan
 
 
+MAX_STAGE_SCALE = 1000.0  # a stage 1000x slower already leaves every other stage idle
+
+
 def parse_stage_times(texts: Iterable[str], num_stages: int) -> dict[int, float]:
     """`--stage-time STAGE=SCALE` flags -> {stage: scale}; a later flag for the same stage wins."""
     scales: dict[int, float] = {}
@@ -32,9 +35,9 @@ def parse_stage_times(texts: Iterable[str], num_stages: int) -> dict[int, float]
             stage, scale = int(stage_text), float(scale_text)
         except ValueError:
             stage, scale = -1, 0.0
-        if not sep or not 0 <= stage < num_stages or not scale > 0:
+        if not sep or not 0 <= stage < num_stages or not 0 < scale <= MAX_STAGE_SCALE:
             raise SpecError("--stage-time", text, f"write STAGE=SCALE with STAGE in 0..{num_stages - 1} "
-                                                  "(virtual stages) and SCALE > 0, e.g. 0=1.5")
+                                                  f"(virtual stages) and SCALE in (0, {MAX_STAGE_SCALE:g}], e.g. 0=1.5")
         scales[stage] = scale
     return scales
 
@@ -143,9 +146,9 @@ def replica_inputs(plan: Plan, estimate: Any, stage_scale: dict[int, float] | No
         return [step]
     from dataclasses import replace
 
-    from fivefold.cost.stack import STACKS
+    from fivefold.cost.stack import DEFAULT_STACK, STACKS
 
-    stack = STACKS.get(getattr(estimate, "stack", "modern"), STACKS["modern"])
+    stack = STACKS.get(getattr(estimate, "stack", DEFAULT_STACK), STACKS[DEFAULT_STACK])
     inputs = []
     for members in replicas:
         ratios = _compute_ratios(plan, stack, members[0])
@@ -168,11 +171,11 @@ def from_estimate(plan: Plan, estimate: Any, stage_scale: dict[int, float] | Non
     for stage in stage_scale:
         if not 0 <= stage < plan.num_stages:
             raise SpecError("--stage-time", stage, f"the plan has virtual stages 0..{plan.num_stages - 1}")
-    from fivefold.cost.stack import STACKS, data_parallel_sync
+    from fivefold.cost.stack import DEFAULT_STACK, STACKS, data_parallel_sync
 
     # The software stack the estimate assumed decides which collectives run when and what overlaps: the
     # same DataParallelSync the estimate follows.
-    stack = STACKS.get(getattr(estimate, "stack", "modern"), STACKS["modern"])
+    stack = STACKS.get(getattr(estimate, "stack", DEFAULT_STACK), STACKS[DEFAULT_STACK])
     sync = data_parallel_sync(stack, plan.zero, plan.pp)
     collectives, tied = _collectives(plan, stack)
     stages = []

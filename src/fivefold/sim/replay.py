@@ -9,35 +9,13 @@ caller agreed on (sim/engine.simulate_replicas).
 from __future__ import annotations
 
 from heapq import heappop, heappush
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import Sequence
 
 from fivefold.sim.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SPLIT_BACKWARD, Action,
                                     stage_owners)
-
-if TYPE_CHECKING:
-    from fivefold.sim.engine import StepInput
-
-OPTIMIZER = "optimizer"
-SEND_ACTIVATION = "send-activation"
-SEND_GRADIENT = "send-gradient"
-GRAD_REDUCE = "grad-reduce"
-PARAM_GATHER = "param-gather"
-EMBEDDING_SYNC = "embedding-sync"
-CONTEXT_EXCHANGE = "cp-exchange"  # context parallel's K/V all-gather or Ulysses all-to-alls, lane "cp"
-
-
-class Event(NamedTuple):
-    """One bar of the timeline (a tuple: hundreds of thousands are made for a big plan)."""
-
-    rank: int  # the row: pp rank, plus replica * pp when replicas that differ are simulated
-    lane: str  # "compute", "comm", or "cp" (context-parallel exchange inside a compute pass)
-    kind: str  # F, B, I, W, optimizer; send-activation, send-gradient, grad-reduce, param-gather, embedding-sync
-    start: float  # seconds from the start of the step
-    end: float
-    stage: int = -1  # virtual stage, -1 when not tied to one
-    micro_batch: int = -1  # micro-batch, -1 when not tied to one
-    peer: int = -1  # for sends: the receiving row
-
+from fivefold.sim.step_input import Event, StepInput  # noqa: F401 (Event: re-exported)
+from fivefold.sim.step_input import (CONTEXT_EXCHANGE, EMBEDDING_SYNC, GRAD_REDUCE,  # noqa: F401 (re-exported)
+                                     OPTIMIZER, PARAM_GATHER, SEND_ACTIVATION, SEND_GRADIENT)
 
 # An Event from all its fields without NamedTuple's argument handling: hundreds of thousands per step.
 _new_tuple = tuple.__new__

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from fivefold.sim.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
-
-if TYPE_CHECKING:
-    from fivefold.sim.engine import Event, StepInput
+from fivefold.sim.step_input import Event, StepInput
 
 COMPUTE_KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 

@@ -25,13 +25,15 @@ def parse_layers_per_stage(text: str | None, flag: str = "--layers-per-stage") -
 
 def layout_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, dp: int | None = None,
                 tp: int | None = None, pp: int | None = None, cp: int | None = None, cp_method: str | None = None,
-                ep: int | None = None,
+                ep: int | None = None, etp: int | None = None,
                 zero: int | None = None, micro_batch: int | None = None, schedule: str | None = None,
                 virtual_stages: int | None = None, layers_per_stage: tuple[int, ...] | None = None,
                 recompute: str | None = None, sequence_parallel: bool | None = None) -> Plan:
     """The Plan these choices describe: tp, pp, cp, ep 1; dp the rest of the cluster; zero 0; micro-batch 1;
-    1F1B (zbv: 2 virtual stages); even layers; no recompute; sequence parallel when tp > 1; all-gather CP."""
-    for flag, value in (("--tp", tp), ("--pp", pp), ("--cp", cp), ("--ep", ep), ("--micro-batch", micro_batch),
+    1F1B (zbv: 2 virtual stages); even layers; no recompute; sequence parallel when tp > 1; all-gather CP;
+    etp 1 (experts whole)."""
+    for flag, value in (("--tp", tp), ("--pp", pp), ("--cp", cp), ("--ep", ep), ("--etp", etp),
+                        ("--micro-batch", micro_batch),
                         ("--virtual-stages", virtual_stages)):
         if value is not None and value < 1:  # never a silent 0 -> 1
             raise SpecError(flag, value, "must be at least 1")
@@ -44,7 +46,7 @@ def layout_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, dp:
     schedule = schedule or "1f1b"
     virtual = virtual_stages or (2 if schedule == "zbv" else 1)
     return Plan(model=model, cluster=cluster, train=train, dp=dp, tp=tp, pp=pp, cp=cp,
-                cp_method=cp_method or "allgather", ep=ep, zero=zero or 0,
+                cp_method=cp_method or "allgather", ep=ep, etp=etp or 1, zero=zero or 0,
                 micro_batch=micro_batch or 1, schedule=schedule, virtual_stages=virtual,
                 layers_per_stage=layers_per_stage or (), recompute=recompute or "none",
                 sequence_parallel=sequence_parallel if sequence_parallel is not None else tp > 1)

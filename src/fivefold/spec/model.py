@@ -10,6 +10,9 @@ from fivefold.errors import SpecError, require
 from fivefold.spec.checks import MAX_COUNT, MAX_LAYERS, check_field_types, check_table, divisors
 from fivefold.spec.units import read_toml_file
 
+MAX_EXPERTS = 1 << 16  # the largest MoE models have 256-1,024 routed experts
+MAX_SHARED_EXPERTS = 64
+MAX_HEAD_DIM = 1 << 16
 MLP_KINDS = ("gelu", "swiglu")
 NORM_KINDS = ("layernorm", "rmsnorm")
 POSITION_KINDS = ("learned", "rope")
@@ -87,8 +90,8 @@ class ModelSpec:
                 f"use one of {', '.join(POSITION_KINDS)}")
         require(self.head_dim != 0 or self.hidden % self.heads == 0, "model.hidden", self.hidden,
                 f"must be divisible by heads={self.heads} (or set model.head_dim)")
-        require(isinstance(self.head_dim, int) and self.head_dim > 0, "model.head_dim", self.head_dim,
-                "must be a positive integer (0 means hidden/heads)")
+        require(isinstance(self.head_dim, int) and 0 < self.head_dim <= MAX_HEAD_DIM, "model.head_dim",
+                self.head_dim, f"must be a positive integer up to {MAX_HEAD_DIM:,} (0 means hidden/heads)")
         if self.heads % self.kv_heads:
             raise SpecError("model.kv_heads", self.kv_heads,
                             f"must divide heads={self.heads}; valid: {', '.join(map(str, divisors(self.heads)))}")
@@ -104,8 +107,8 @@ class ModelSpec:
                 "must be 0 (every layer slides) or n (every n-th layer keeps full attention)")
 
     def _validate_moe(self) -> None:
-        require(isinstance(self.experts, int) and self.experts >= 0, "model.experts", self.experts,
-                "must be 0 (dense) or a positive count")
+        require(isinstance(self.experts, int) and 0 <= self.experts <= MAX_EXPERTS, "model.experts", self.experts,
+                f"must be 0 (dense) or a positive count up to {MAX_EXPERTS:,}")
         require(self.router in ROUTER_KINDS, "model.router", self.router, f"use one of {', '.join(ROUTER_KINDS)}")
         for name in ("aux_loss_coef", "router_bias_rate"):
             value = getattr(self, name)
@@ -114,8 +117,12 @@ class ModelSpec:
                 "must be a positive integer (1 = every layer is MoE)")
         require(isinstance(self.first_dense_layers, int) and 0 <= self.first_dense_layers < self.layers,
                 "model.first_dense_layers", self.first_dense_layers, f"must be between 0 and layers-1={self.layers - 1}")
-        require(isinstance(self.shared_experts, int) and self.shared_experts >= 0, "model.shared_experts",
-                self.shared_experts, "must be 0 or a positive count")
+        require(isinstance(self.shared_experts, int) and 0 <= self.shared_experts <= MAX_SHARED_EXPERTS,
+                "model.shared_experts", self.shared_experts, f"must be 0 or a count up to {MAX_SHARED_EXPERTS}")
+        require(self.expert_ffn_hidden <= MAX_COUNT, "model.expert_ffn_hidden", self.expert_ffn_hidden,
+                f"must be at most {MAX_COUNT:,}; a larger value is not a real model")
+        for name in ("aux_loss_coef", "router_bias_rate"):
+            require(getattr(self, name) <= 1e3, f"model.{name}", getattr(self, name), "must be at most 1000")
         if self.experts:
             require(1 <= self.top_k <= self.experts, "model.top_k", self.top_k,
                     f"must be between 1 and experts={self.experts}")
@@ -125,8 +132,10 @@ class ModelSpec:
                     f"leaves no MoE layer among {self.layers} layers")
         else:
             require(self.top_k == 0, "model.top_k", self.top_k, "only MoE models (experts > 0) route to top_k")
-            require(self.shared_experts == 0, "model.shared_experts", self.shared_experts,
-                    "only MoE models (experts > 0) have shared experts")
+            for name, dense_value in (("shared_experts", 0), ("expert_ffn_hidden", 0), ("aux_loss_coef", 0.0),
+                                      ("router_bias_rate", 0.0), ("first_dense_layers", 0), ("moe_every", 1)):
+                require(getattr(self, name) == dense_value, f"model.{name}", getattr(self, name),
+                        "means nothing for a dense model: only MoE models (experts > 0) use it; leave it out")
 
     @property
     def is_moe(self) -> bool:

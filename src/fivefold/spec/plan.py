@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from fivefold.errors import SpecError, require
 from fivefold.spec.checks import MAX_COUNT, check_table, divisors, is_int
 from fivefold.spec.cluster import ClusterSpec, cluster_from_dict
+from fivefold.spec.folding import ExpertRanks, check_folding, row_major_coords
 from fivefold.spec.model import ModelSpec, model_from_dict
 from fivefold.spec.train import TrainSpec, train_from_dict
 from fivefold.spec.units import read_toml_file
@@ -43,22 +44,23 @@ def stage_owners(schedule: str, pp: int, virtual_stages: int) -> tuple[int, ...]
     return tuple(stage_owner(schedule, pp, stage) for stage in range(pp * virtual_stages))
 
 
-def reduced_by_ddp(dp: int, cp: int, tp: int, pp: int, zero: int, ep: int) -> bool:
+def reduced_by_ddp(dp: int, cp: int, tp: int, pp: int, zero: int, ep: int, etp: int = 1) -> bool:
     """Whether fivefold's runtime on CPU reduces this layout's gradients with DistributedDataParallel
     (bucketed, overlapped with backward) instead of FSDP2 / replicate per module: ZeRO-0 over dp x cp without
-    tp or pp, with experts either replicated (ep 1) or each rank's own (ep = dp*cp, no expert replicas).
-    runtime/parallelize.py runs it and cost/host.py costs it, both from this rule."""
+    tp or pp, with experts either replicated (ep = etp = 1) or each rank's own slice (ep x etp = dp*cp, no
+    expert replicas). runtime/parallelize.py runs it and cost/host.py costs it, both from this rule."""
     replicas = dp * cp
-    return replicas > 1 and zero == 0 and tp == pp == 1 and ep in (1, replicas)
+    return replicas > 1 and zero == 0 and tp == pp == 1 and ep * etp in (1, replicas)
 
 
-def reductions_overlap_on_cpu(dp: int, cp: int, tp: int, pp: int, zero: int, ep: int, micro_batches: int) -> bool:
+def reductions_overlap_on_cpu(dp: int, cp: int, tp: int, pp: int, zero: int, ep: int, micro_batches: int,
+                              etp: int = 1) -> bool:
     """Whether fivefold's runtime on CPU reduces this layout's gradients while the backward still computes:
     under DistributedDataParallel (reduced_by_ddp), or through FSDP2 with its asynchronous reduce-scatter
     (runtime/parallelize.py AsyncReduceScatter) when no pipeline defers the reduction and it is the step's
     only one: ZeRO-1, or ZeRO-2/3 with one micro-batch (later micro-batches' reductions add into the
     gradient at once, so they block). cost/step.py costs the reduction overlapped exactly then."""
-    if reduced_by_ddp(dp, cp, tp, pp, zero, ep):
+    if reduced_by_ddp(dp, cp, tp, pp, zero, ep, etp):
         return True
     return dp * cp > 1 and zero >= 1 and pp == 1 and (zero == 1 or micro_batches == 1)
 
@@ -87,10 +89,7 @@ class MeshRanks:
 
     def coords(self, rank: int) -> dict[str, int]:
         """Mesh coordinates of a rank: {'pp': .., 'dp': .., 'cp': .., 'tp': ..}."""
-        out = {}
-        for dim in reversed(MESH_DIMS):
-            rank, out[dim] = divmod(rank, getattr(self, dim))
-        return {dim: out[dim] for dim in MESH_DIMS}
+        return row_major_coords(rank, MESH_DIMS, tuple(getattr(self, dim) for dim in MESH_DIMS))
 
     def rank_of(self, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
         return mesh_rank(self.dp, self.cp, self.tp, pp, dp, cp, tp)
@@ -129,8 +128,19 @@ def default_layers_per_stage(layers: int, stages: int) -> tuple[int, ...]:
     return tuple(counts)
 
 
+def check_stage_layers(layers_per_stage: tuple[int, ...]) -> None:
+    """A stage may hold no transformer layer only when it still holds something: the first stage the
+    embedding, the last one the head (the Zero Bubble and vocabulary-parallel papers' layouts)."""
+    counts = list(layers_per_stage)
+    require(all(n >= 0 for n in counts), "plan.layers_per_stage", counts, "layer counts cannot be negative")
+    empty_middle = [s for s, n in enumerate(counts) if n == 0 and 0 < s < len(counts) - 1]
+    require(not empty_middle, "plan.layers_per_stage", counts,
+            f"stage {empty_middle[0] if empty_middle else 0} would hold nothing: only the first stage (embedding "
+            "alone) or the last (head alone) may have 0 layers")
+
+
 @dataclass(frozen=True)
-class Plan(MeshRanks):
+class Plan(MeshRanks, ExpertRanks):
     model: ModelSpec  # what is trained
     cluster: ClusterSpec  # where it is trained
     train: TrainSpec  # sequence length, global batch, dtype, optimizer
@@ -139,7 +149,8 @@ class Plan(MeshRanks):
     pp: int = 1  # pipeline-parallel degree (ranks per pipeline)
     cp: int = 1  # context-parallel degree (sequence split inside attention)
     cp_method: str = "allgather"  # allgather (K/V all-gathered) | ulysses (all-to-all sequence <-> heads)
-    ep: int = 1  # expert-parallel degree, carved out of dp x cp (MoE only)
+    ep: int = 1  # expert-parallel degree, folded over tp x cp x dp (MoE only; spec/folding.py)
+    etp: int = 1  # expert tensor-parallel degree: each expert's matrices split over etp ranks (MoE only)
     zero: int = 0  # 0 = replicated, 1 = optimizer, 2 = +gradients, 3 = +parameters (FSDP)
     micro_batch: int = 1  # sequences per micro-batch on one replica
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zb-h1 | zbv
@@ -190,6 +201,8 @@ class Plan(MeshRanks):
             parts.append(f"cp{self.cp}" + ("-ulysses" if self.cp_method == "ulysses" else ""))
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.etp > 1:
+            parts.append(f"etp{self.etp}")
         text = " ".join(parts) + f" mb{self.micro_batch}x{self.num_micro_batches}"
         if self.pp > 1:
             text += f" {self.schedule}" + (f"(v{self.virtual_stages})" if self.virtual_stages > 1 else "")
@@ -199,7 +212,7 @@ class Plan(MeshRanks):
     # --- validation ---------------------------------------------------------------------------
     def check_degrees(self) -> None:
         """Integers (not booleans or floats) in range, so the derived quantities can be computed."""
-        for dim in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "virtual_stages", "zero", "version"):
+        for dim in ("dp", "tp", "pp", "cp", "ep", "etp", "micro_batch", "virtual_stages", "zero", "version"):
             value = getattr(self, dim)
             require(is_int(value), f"plan.{dim}", value, f"must be an integer, not a {type(value).__name__}")
             if dim not in ("zero", "version"):
@@ -248,12 +261,7 @@ class Plan(MeshRanks):
             beyond = f"; context parallel (cp={self.cp}) does not lift that limit" if self.cp > 1 else ""
             raise SpecError("train.seq_len", t.seq_len, f"longer than {table} (model.max_seq_len={m.max_seq_len})"
                             f"{beyond}; use --seq-len {m.max_seq_len} or less, or a model with a larger max_seq_len")
-        if m.is_moe:
-            require((self.dp * self.cp) % self.ep == 0, "plan.ep", self.ep,
-                    f"must divide dp*cp={self.dp * self.cp} (experts are spread over data-parallel ranks)")
-            require(m.experts % self.ep == 0, "plan.ep", self.ep, f"must divide model.experts={m.experts}")
-        else:
-            require(self.ep == 1, "plan.ep", self.ep, "expert parallelism needs an MoE model (model.experts > 0)")
+        check_folding(m, self.tp, self.cp, self.dp, self.ep, self.etp)
         require(self.zero in ZERO_LEVELS, "plan.zero", self.zero, "use 0, 1, 2 or 3 (3 = FSDP)")
         require(self.recompute in RECOMPUTE, "plan.recompute", self.recompute, f"use one of {', '.join(RECOMPUTE)}")
         require(self.schedule in SCHEDULES, "plan.schedule", self.schedule, f"use one of {', '.join(SCHEDULES)}")
@@ -268,12 +276,13 @@ class Plan(MeshRanks):
                     f"{self.schedule} uses 1; virtual stages need interleaved-1f1b or zbv")
         if self.sequence_parallel:
             require(self.tp > 1, "plan.sequence_parallel", True, "needs tp > 1")
-        require(m.layers >= self.num_stages, "plan.pp", self.pp,
-                f"pp x virtual_stages = {self.num_stages} stages but the model has {m.layers} layers")
+        if not self.layers_per_stage:
+            require(m.layers >= self.num_stages, "plan.pp", self.pp,
+                    f"pp x virtual_stages = {self.num_stages} stages but the model has {m.layers} layers; give "
+                    "--layers-per-stage with 0 for a stage holding only the embedding (first) or the head (last)")
         require(len(self.layers_per_stage) == self.num_stages, "plan.layers_per_stage", list(self.layers_per_stage),
                 f"needs one entry per stage ({self.num_stages} = pp x virtual_stages)")
-        require(all(isinstance(n, int) and n >= 1 for n in self.layers_per_stage), "plan.layers_per_stage",
-                list(self.layers_per_stage), "every stage needs at least one layer")
+        check_stage_layers(self.layers_per_stage)
         require(sum(self.layers_per_stage) == m.layers, "plan.layers_per_stage", list(self.layers_per_stage),
                 f"sums to {sum(self.layers_per_stage)} but model.layers={m.layers}")
         if self.replica_micro_batches:

@@ -7,11 +7,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fivefold.errors import SpecError, require
-from fivefold.spec.checks import check_count
+from fivefold.spec.checks import check_count, is_real
 
 if TYPE_CHECKING:
     from fivefold.spec.cluster import ClusterSpec
 
+MAX_EXPERT_IMBALANCE = 1024  # the busiest of ep ranks holds at most ep x the mean; no ep group is larger
 DTYPES = ("bf16", "fp16", "fp32", "fp8")
 OPTIMIZERS = ("adamw",)
 
@@ -35,9 +36,10 @@ class TrainSpec:
         require(isinstance(self.document_mask, bool), "train.document_mask", self.document_mask, "use true or false")
         require(isinstance(self.optimizer, str) and self.optimizer in OPTIMIZERS, "train.optimizer", self.optimizer,
                 f"use one of {', '.join(OPTIMIZERS)}")
-        require(isinstance(self.expert_imbalance, (int, float)) and self.expert_imbalance >= 1.0,
+        require(is_real(self.expert_imbalance) and 1.0 <= self.expert_imbalance <= MAX_EXPERT_IMBALANCE,
                 "train.expert_imbalance", self.expert_imbalance,
-                "must be >= 1 (busiest rank's expert tokens over the mean; 1 = balanced)")
+                f"must be from 1 to {MAX_EXPERT_IMBALANCE} (busiest rank's expert tokens over the mean; 1 = "
+                "balanced; it cannot exceed ep, all tokens on one rank)")
 
     @property
     def tokens_per_step(self) -> int:

@@ -1,0 +1,122 @@
+"""Each MoE term of the cost model (cost/moe_block.py) against its hand formula, and the terms in
+`estimate`'s breakdown and memory (issue 25)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fivefold.cost import estimate, stack_named
+from fivefold.cost.comm import all_to_all_time, topology_of
+from fivefold.cost.compute import elementwise_time, gemm_time
+from fivefold.cost.layout import Layout, rank_envs
+from fivefold.cost.moe_block import HOST_SYNC_SECONDS, KERNELS_AFTER_SYNC
+from fivefold.cost.moe_breakdown import moe_layer_terms
+from fivefold.spec import PRESETS, ModelSpec, Plan, TrainSpec, parse_cluster
+
+QWEN = PRESETS["qwen3-30b-a3b"]
+STACK = stack_named("megatron-core")
+
+
+def _plan(model: ModelSpec = QWEN, imbalance: float = 1.0, **fields) -> Plan:
+    train = TrainSpec(seq_len=4096, global_batch=64, expert_imbalance=imbalance)
+    return Plan(model=model, cluster=parse_cluster("2x8xH100-SXM"), train=train, **{"dp": 16, "ep": 8, **fields})
+
+
+def _terms(plan: Plan, stack=STACK):
+    layout = Layout.of_plan(plan)
+    env = rank_envs(layout, topology_of(layout.cluster))[0]
+    return moe_layer_terms(layout, env, stack), env
+
+
+def test_router_permute_sync_and_all_to_all_match_hand_formulas():
+    plan = _plan(imbalance=1.5)
+    terms, env = _terms(plan)
+    device, m, e = env.device, QWEN, 2
+    tokens, h, experts, k = 4096, m.hidden, m.experts, m.top_k
+    router_gemms = gemm_time(device, tokens, experts, h) + gemm_time(device, tokens, h, experts) + \
+        gemm_time(device, h, experts, tokens)
+    probabilities = tokens * experts * 4.0  # fp32 softmax over the logits
+    aux = 2 * probabilities  # qwen3 trains with an auxiliary loss
+    forward = 2 * probabilities + tokens * e * experts + probabilities + tokens * k * 12 + aux
+    router = router_gemms + elementwise_time(device, forward, 3) + elementwise_time(device, 3 * probabilities + aux, 2)
+    assert terms.router == pytest.approx(router, rel=1e-9)
+    routed = tokens * k
+    busiest = round(routed * 8 / experts * 1.5) * (experts // 8)  # the busiest rank gets 1.5x the mean
+    moved = (4 * routed + 4 * busiest) * h * e
+    assert terms.permute == pytest.approx(2 * elementwise_time(device, moved, 4), rel=1e-9)
+    assert terms.host_sync == pytest.approx(HOST_SYNC_SECONDS + KERNELS_AFTER_SYNC * STACK.host_seconds_per_kernel)
+    dispatch = all_to_all_time(routed * h * e * 1.5, env.ep)
+    assert terms.all_to_all == pytest.approx(all_to_all_time(experts * 8.0, env.ep) + 4 * dispatch, rel=1e-9)
+    assert terms.shared_experts == 0.0
+    # A dispatcher that needs no counts on the host (e.g. padded, fixed-capacity dispatch) pays no sync.
+    assert _terms(plan, dataclasses.replace(STACK, moe_dispatch_syncs_host=False))[0].host_sync == 0.0
+
+
+def test_expert_gemms_run_at_the_grouped_efficiency_of_the_tokens_each_expert_gets():
+    terms, env = _terms(_plan())
+    device, m = env.device, QWEN
+    rows, local, f, h = 4096 * 8 * 8 // 128, 16, m.expert_ffn_hidden, m.hidden  # 2048 rows for each local expert
+    up = [gemm_time(device, rows, 2 * f, h, local), gemm_time(device, rows, h, 2 * f, local),
+          gemm_time(device, h, 2 * f, rows, local)]
+    down = [gemm_time(device, rows, h, f, local), gemm_time(device, rows, f, h, local),
+            gemm_time(device, f, h, rows, local)]
+    act = elementwise_time(device, 16 * rows * f * 3 * 2) + elementwise_time(device, 16 * rows * f * 5 * 2)
+    assert terms.experts == pytest.approx(sum(up) + sum(down) + act, rel=1e-9)
+    # The same expert FLOPs cut finer (4x the experts, 1/4 the width, 4x top-k) run at a lower rate.
+    fine = dataclasses.replace(QWEN, experts=512, top_k=32, expert_ffn_hidden=192)
+    assert _terms(_plan(fine))[0].experts > 1.2 * terms.experts  # (the down GEMM's K: 768 -> 192)
+
+
+def test_shared_experts_are_a_dense_mlp_on_every_token():
+    model = dataclasses.replace(QWEN, shared_experts=1)
+    terms, env = _terms(_plan(model))
+    device, f, h = env.device, QWEN.expert_ffn_hidden, QWEN.hidden
+    linear = sum(gemm_time(env.device, *shape) for shape in ((4096, 2 * f, h), (4096, h, 2 * f), (h, 2 * f, 4096),
+                                                              (4096, h, f), (4096, f, h), (f, h, 4096)))
+    act = elementwise_time(device, 4096 * f * 6) + elementwise_time(device, 4096 * f * 10)
+    assert terms.shared_experts == pytest.approx(linear + act, rel=1e-9)
+
+
+def test_breakdown_names_every_moe_term_and_still_sums_to_the_step():
+    result = estimate(_plan(imbalance=1.3), STACK)
+    parts = result.breakdown_s
+    for key in ("moe_router", "moe_permute", "moe_experts", "moe_host_sync", "ep_comm"):
+        assert parts[key] > 0, key
+    assert sum(parts.values()) == pytest.approx(result.step_time_s, rel=1e-9)
+    # 48 MoE layers x 4 micro-batches on the one pipeline rank, per layer as moe_layer_terms gives.
+    terms = _terms(_plan(imbalance=1.3))[0]
+    assert parts["moe_experts"] == pytest.approx(48 * 4 * terms.experts, rel=1e-9)
+    assert parts["moe_host_sync"] == pytest.approx(48 * 4 * terms.host_sync, rel=1e-9)
+    dense = estimate(_plan(PRESETS["llama3-8b"], ep=1), STACK)
+    assert not any(key.startswith("moe_") for key in dense.breakdown_s)
+
+
+def test_dispatched_token_memory_grows_with_the_busiest_ranks_load():
+    balanced, skewed = (estimate(_plan(imbalance=x), STACK).memory for x in (1.0, 1.5))
+    # No recompute: the received rows (h) and the three SwiGLU expert tensors per routed copy, 48 layers, 1 in flight.
+    per_copy = 2 * (QWEN.hidden + 3 * QWEN.expert_ffn_hidden)
+    assert balanced.moe_dispatched == pytest.approx(48 * 4096 * 8 * per_copy, rel=1e-6)
+    assert skewed.moe_dispatched == pytest.approx(1.5 * balanced.moe_dispatched, rel=1e-3)
+    assert skewed.activations - balanced.activations == pytest.approx(
+        skewed.moe_dispatched - balanced.moe_dispatched, rel=0.05)
+
+
+def test_per_node_dispatch_sends_one_network_copy_per_destination_node() -> None:
+    from fivefold.cost.moe_block import dispatch_time
+
+    cluster = parse_cluster("4x8xH100-SXM")
+    plan = Plan(model=QWEN, cluster=cluster, train=TrainSpec(seq_len=4096, global_batch=64), dp=32, ep=32)
+    layout = Layout.of_plan(plan)
+    link = rank_envs(layout, topology_of(cluster))[0].ep
+    assert link.nodes == 4 and link.size == 32
+    copies = 4096 * 8 * QWEN.hidden * 2
+    # top-8 experts over 4 nodes: 4 (1 - (3/4)^8) = 3.60 distinct nodes, 3/4 of them remote = 2.70 network
+    # copies per token instead of 6 (8 x 3/4); NVLink carries every copy once.
+    remote = 4 * (1 - 0.75 ** 8) * 0.75
+    expected = 31 * link.latency + max(31 / 32 * copies / link.intra_bandwidth,
+                                       copies / 8 * remote / link.network_bandwidth)
+    assert dispatch_time(4096, QWEN, 2, 1.0, link, True) == pytest.approx(expected, rel=1e-9)
+    assert dispatch_time(4096, QWEN, 2, 1.0, link, False) == pytest.approx(all_to_all_time(copies, link))
+    assert dispatch_time(4096, QWEN, 2, 1.0, link, True) < 0.6 * dispatch_time(4096, QWEN, 2, 1.0, link, False)
