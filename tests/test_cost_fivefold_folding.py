@@ -12,10 +12,10 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.cost import STACKS, Layout
-from fivefold.cost.comm import SELF, all_gather_time, all_reduce_time, all_to_all_time, reduce_scatter_time
+from fivefold.cost.comm import (SELF, all_gather_time, all_reduce_time, all_to_all_time, reduce_scatter_time,
+                                topology_of)
 from fivefold.cost.layer import LayerShape, layer_cost
 from fivefold.cost.layout import rank_envs
-from fivefold.cost.comm import topology_of
 from fivefold.cost.moe_breakdown import moe_layer_terms
 from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
 
@@ -93,3 +93,17 @@ def test_plan_finds_folded_layouts_for_tiny_moe(capsys) -> None:
         assert main(["plan", "--model", "tiny-moe", "--cluster", "1x4xcpu", "--top", "1", "--json", *flags]) == 0
         best = json.loads(capsys.readouterr().out)["candidates"][0]["plan"]
         assert (" etp2 " in best) if flags[0] == "--etp" else (" tp2 " in best and " ep4 " in best)
+
+
+def test_host_counts_the_moe_blocks_own_tp_collectives() -> None:
+    from fivefold.cost.stack import TensorParallelCollectives, tensor_parallel_collectives
+
+    dense = PRESETS["tiny"]
+    assert tensor_parallel_collectives(True, dense) == TensorParallelCollectives(4, 4, 1, 1, 2, 1)
+    assert (tensor_parallel_collectives(False, dense).layer_forward,
+            tensor_parallel_collectives(False, dense).layer_backward) == (2, 5)
+    # MoE with one SwiGLU shared expert: SP leaves attention's 2 + 2 and the router's and 3 shared matrices'
+    # gradient all-reduces; without SP attention's 1 + 3, the output's and input gradient's all-gathers.
+    sp, plain = tensor_parallel_collectives(True, MODEL), tensor_parallel_collectives(False, MODEL)
+    assert (sp.layer_forward, sp.layer_backward) == (2, 2 + 4)
+    assert (plain.layer_forward, plain.layer_backward) == (1 + 1, 3 + 1 + 4)

@@ -57,8 +57,9 @@ def with_host_costs(layout: Layout, env: RankEnv, stack: SoftwareStack, costs: L
     tensor_parallel = layout.tp > 1
     op_f = host.dtensor_op_forward if tensor_parallel else host.op_forward
     op_b = host.dtensor_op_backward if tensor_parallel else host.op_backward
-    # What each DTensor collective costs beyond the collective itself (which cost/layer.py charges).
-    tp = tensor_parallel_collectives(layout.sequence_parallel) if tensor_parallel else NO_TP_COLLECTIVES
+    # What each tp collective (DTensor, or plain torch.distributed in MoE blocks) costs beyond the collective
+    # itself (which cost/layer.py charges).
+    tp = tensor_parallel_collectives(layout.sequence_parallel, layout.model) if tensor_parallel else NO_TP_COLLECTIVES
     collective = host.tp_collective
     # FSDP2 / replicate wrap each block and each stage model (DDP hooks the parameters in C++ instead).
     wrapped = layout.dp * layout.cp > 1 and not ddp_on_cpu(layout)

@@ -290,22 +290,29 @@ def eager_ops(model: ModelSpec, ep: int = 1) -> EagerOps:
 
 @dataclass(frozen=True)
 class TensorParallelCollectives:
-    """DTensor collectives the runtime's tensor parallelism issues per micro-batch (counted on torch 2.13:
-    DTensor does not merge the input-gradient all-reduces of wq, wk, wv and of w1, w3 without sequence
-    parallelism)."""
+    """Collectives the runtime's tensor parallelism issues per micro-batch (counted on torch 2.13: DTensor
+    does not merge the input-gradient all-reduces of wq, wk, wv and of w1, w3 without sequence parallelism)."""
 
-    layer_forward: int
-    layer_backward: int
+    layer_forward: float  # an average block for a model mixing dense and MoE layers
+    layer_backward: float
     embedding_forward: int
     embedding_backward: int
     head_forward: int  # with the logits gathered whole for the loss
     head_backward: int
 
 
-def tensor_parallel_collectives(sequence_parallel: bool) -> TensorParallelCollectives:
-    if sequence_parallel:  # all-gather before and reduce-scatter after attention and MLP, both ways
-        return TensorParallelCollectives(4, 4, 1, 1, 2, 1)
-    return TensorParallelCollectives(2, 5, 1, 0, 1, 1)
+def tensor_parallel_collectives(sequence_parallel: bool, model: ModelSpec) -> TensorParallelCollectives:
+    """SP: all-gather before and reduce-scatter after attention and the dense MLP, both ways; else one
+    all-reduce after each forward, and the input gradients' all-reduces (3 attention, 2 MLP). An MoE block
+    instead routes this rank's tokens (runtime/expert_folding.py): no SP, one all-gather of its output forward
+    and of its input's gradient backward; then one gradient all-reduce per router and shared-expert weight."""
+    share = moe_share(model)
+    shared = (3 if model.mlp == "swiglu" else 2) if model.shared_experts else 0
+    mlp, moe = ((2, 2), (0, 1 + shared)) if sequence_parallel else ((1, 2), (1, 2 + shared))
+    attention = (2, 2) if sequence_parallel else (1, 3)
+    forward, backward = (attention[i] + (1 - share) * mlp[i] + share * moe[i] for i in (0, 1))
+    return TensorParallelCollectives(forward, backward, 1, 1 if sequence_parallel else 0, 2 if sequence_parallel
+                                     else 1, 1)
 
 
 def stack_named(name: str) -> SoftwareStack:
