@@ -257,12 +257,23 @@ def layer_work(layout: Layout, stack: SoftwareStack) -> tuple[PassCost, PassCost
     return costs.layer, costs.embedding, costs.head
 
 
+_STAGE_PARAMS: IdentityCache[tuple[float, float]] = IdentityCache(20000)  # by model: the planner asks ~10^4 times
+
+
 def stage_params(layout: Layout, layers: int, first: bool, last: bool,
                  holds_embedding: bool = False) -> tuple[float, float]:
     """(dense, expert) parameters one TP rank of a stage holds.
 
     `holds_embedding`: the rank running this (last) stage also runs the first one (zbv puts both ends on
     rank 0), so a tied LM head can use the embedding matrix itself instead of a copy."""
+    key = (layout.tp, layout.ep, layout.etp, layers, first, last, holds_embedding)
+    cached = _STAGE_PARAMS.get(layout.model, key)
+    if isinstance(cached, tuple):
+        return cached
+    return _STAGE_PARAMS.put(layout.model, key, _stage_params(layout, layers, first, last, holds_embedding))
+
+
+def _stage_params(layout: Layout, layers: int, first: bool, last: bool, holds_embedding: bool) -> tuple[float, float]:
     m, t = layout.model, layout.tp
     per_layer: float = m.params_per_layer()
     expert = 0.0
@@ -303,13 +314,14 @@ def group_work(layout: Layout, costs: LayerCosts, layers: int, first: bool, last
     if isinstance(cached, GroupWork):
         return cached
     layer, embedding, head, activation, _, per_chunk = costs
-    cost = layer.scaled(layers) + per_chunk.scaled(chunks)
-    if extra is not ZERO_PASS:  # host.split_backward_host's (profiled CPU ranks only: off the planner's path)
-        cost = cost + extra
-    if first:
-        cost = cost + embedding
-    if last:
-        cost = cost + head
+    # One pass over the fields (a miss here is the search's most frequent new cost): layers x layer +
+    # chunks x per-chunk + the ends the rank holds + extra.
+    # Added in the order of the field-wise sums it replaces, so every float is the same.
+    ends = [part for part, held in ((extra, extra is not ZERO_PASS), (embedding, first), (head, last)) if held]
+    values = [a * layers + b * chunks for a, b in zip(layer, per_chunk)]
+    for end in ends:
+        values = [value + x for value, x in zip(values, end)]
+    cost = PassCost._make(values)
     # Stage params are linear in layers, so the rank's sum is one call with its totals.
     dense, expert = stage_params(layout, layers, first, last, holds_embedding=first)
     return _GROUP_WORK.put(costs, key, GroupWork(
