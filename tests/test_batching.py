@@ -198,3 +198,14 @@ def test_kv_bytes_per_token_and_blocks_for_memory():
     assert kv_blocks_for_memory(2**30, model, 1, 1, "bf16", 16) == 2**30 // (131072 * 16)
     with pytest.raises(SpecError, match="--kv-memory"):
         kv_blocks_for_memory(1000, model, 1, 1, "bf16", 16)
+
+
+def test_pipeline_depth_splits_the_requests_into_groups_in_flight_together():
+    scheduler = Scheduler(BatchLimits(max_batch=8, max_tokens_per_step=100, kv_blocks=64, block_size=4), 2)
+    for rid in "abcdef":
+        scheduler.add(rid, 4, 3)
+    first, second = scheduler.schedule(), scheduler.schedule()
+    assert first.request_ids == ["a", "b", "c"] and second.request_ids == ["d", "e", "f"]
+    assert len(scheduler.schedule()) == 0  # both groups in flight
+    scheduler.update(first)
+    assert scheduler.schedule().request_ids == ["a", "b", "c"]  # the first group decodes while the second runs

@@ -7,7 +7,7 @@ import pytest
 
 from fivefold.cli import build_parser, main
 
-VERBS = ["plan", "estimate", "simulate", "dryrun", "train", "profile", "report", "convert"]
+VERBS = ["plan", "estimate", "simulate", "dryrun", "train", "generate", "serve", "profile", "report", "convert"]
 
 
 def test_every_verb_is_registered_with_help(capsys):

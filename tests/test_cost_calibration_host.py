@@ -238,7 +238,8 @@ def test_cost_model_and_runtime_agree_on_which_plans_run_under_ddp() -> None:
     cases = [("tiny", dict(dp=4)), ("tiny", dict(dp=2, cp=2)), ("tiny", dict(dp=2, cp=2, zero=1)),
              ("tiny", dict(dp=2, tp=2)), ("tiny", dict(dp=2, pp=2)), ("tiny", dict(dp=2, tp=2, zero=1)),
              ("tiny-moe", dict(dp=4)), ("tiny-moe", dict(dp=4, ep=4)), ("tiny-moe", dict(dp=4, ep=2)),
-             ("tiny-moe", dict(dp=2, cp=2, ep=4))]
+             ("tiny-moe", dict(dp=2, cp=2, ep=4)), ("tiny-moe", dict(dp=4, etp=4)), ("tiny-moe", dict(dp=4, ep=2, etp=2)),
+             ("tiny-moe", dict(dp=2, tp=2, ep=2))]
     for model, fields in cases:
         plan = Plan(model=PRESETS[model], cluster=parse_cluster("1x4xcpu"), train=train, **fields)
         assert ddp_on_cpu(Layout.of_plan(plan)) == uses_ddp(plan, torch.device("cpu")), (model, fields)

@@ -38,6 +38,21 @@ def test_dry_run_peak_matches_a_real_cpu_run(layout):
         assert one.measured["optimizer"] == pytest.approx(2 * one.measured["params"], rel=0.01)  # AdamW, fp32
 
 
+def test_moe_dry_run_fixes_balanced_token_splits_and_matches_a_real_cpu_run(capsys):
+    # tp2 ep2: ep spans the tp pair (two experts per rank), each tp rank routes half of each sequence.
+    plan = Plan(model=parse_model("tiny-moe"), cluster=parse_cluster("1x2xcpu"),
+                train=TrainSpec(seq_len=32, global_batch=4, dtype="fp32"), tp=2, ep=2, micro_batch=2)
+    fake = dry_run(plan, "cpu")
+    assert fake.notes and "balanced expectation" in fake.notes[0]
+    real = measure_real(plan, representative_ranks(plan))
+    for one in fake.ranks:
+        assert one.measured["peak"] > 0
+        assert abs(one.measured["peak"] / real[one.rank].peak - 1) <= TOLERANCE, (one.rank, real[one.rank].peak)
+    assert main(["dryrun", "--model", "tiny-moe", "--cluster", "1x2xcpu", "--dp", "2", "--ep", "2", "--etp", "1",
+                 "--seq-len", "32", "--global-batch", "4"]) == 0
+    assert "note: MoE token splits fixed at the balanced expectation" in capsys.readouterr().out
+
+
 def test_dryrun_verb_json_and_overflow_exit_1(capsys):
     argv = ["dryrun", "--model", "tiny", "--cluster", "1x2xcpu:mem=2MiB", "--dp", "2", "--zero", "3",
             "--seq-len", "64", "--global-batch", "2", "--json"]

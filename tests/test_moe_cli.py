@@ -22,7 +22,7 @@ def test_bad_moe_layouts_stop_with_one_line(capsys, argv, message):
     assert err.startswith(message) and "\n" not in err
 
 
-def test_uneven_replicas_and_cp_aux_loss_are_refused():
+def test_uneven_replicas_and_tokens_that_tp_cannot_split_are_refused():
     from fivefold.errors import SpecError
     from fivefold.runtime.expert_parallel import check_moe_runnable
     from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
@@ -31,8 +31,12 @@ def test_uneven_replicas_and_cp_aux_loss_are_refused():
                   dp=2, ep=2, micro_batch=1, replica_micro_batches=(3, 5))
     with pytest.raises(SpecError, match="uneven replicas cannot share experts"):
         check_moe_runnable(uneven)
-    with pytest.raises(SpecError, match="model.aux_loss_coef=0.01: the per-sequence auxiliary loss"):
-        check_moe_runnable(uneven.replace(cp=2, dp=1, replica_micro_batches=(), micro_batch=1))
+    check_moe_runnable(uneven.replace(cp=2, dp=1, replica_micro_batches=(), micro_batch=1))  # aux loss under cp runs
+    odd = Plan(model=PRESETS["tiny-moe"], cluster=parse_cluster("1x4xcpu"), train=TrainSpec(seq_len=9, global_batch=8),
+               dp=2, tp=2, ep=2)
+    with pytest.raises(SpecError, match="train.seq_len=9: the MoE layers split each rank's 9 tokens of a "
+                                        "sequence over tp=2: use a --seq-len divisible by cp x tp = 2"):
+        check_moe_runnable(odd.replace(sequence_parallel=False))
 
 
 @pytest.mark.slow

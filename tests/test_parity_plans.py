@@ -40,6 +40,10 @@ PLANS: dict[str, tuple[int, str, dict]] = {
     "pp2-zb-h1": (2, "tiny", dict(pp=2, schedule="zb-h1", micro_batch=2)),
     "pp2-zbv": (2, "tiny", dict(pp=2, schedule="zbv", virtual_stages=2, micro_batch=2)),
     "pp2-uneven-1-3": (2, "tiny", dict(pp=2, schedule="1f1b", layers_per_stage=(1, 3), micro_batch=2)),
+    # stages without a transformer layer: the embedding alone, the head alone (Zero Bubble's layouts)
+    "pp2-embedding-alone-1f1b": (2, "tiny", dict(pp=2, schedule="1f1b", layers_per_stage=(0, 4), micro_batch=2)),
+    "pp2-interleaved-embedding-and-head-alone": (2, "tiny", dict(pp=2, schedule="interleaved-1f1b", virtual_stages=2,
+                                                                 layers_per_stage=(0, 2, 2, 0), micro_batch=2)),
     "dp2xtp2-fsdp": (4, "tiny", dict(dp=2, tp=2, zero=3, sequence_parallel=True, micro_batch=2)),
     "tp2xpp2": (4, "tiny", dict(tp=2, pp=2, sequence_parallel=True, micro_batch=2)),
     "dp2xpp2": (4, "tiny", dict(dp=2, pp=2, schedule="gpipe", micro_batch=2)),

@@ -86,7 +86,8 @@ def test_uneven_replicas():
     ({"dp": 4, "tp": 2, "cp": 1, "pp": 1, "micro_batch": 3}, "plan.micro_batch", "must divide train.global_batch"),
     ({"dp": 2, "pp": 4, "layers_per_stage": (1, 1, 1, 2)}, "plan.layers_per_stage", "sums to 5"),
     ({"dp": 2, "pp": 4, "layers_per_stage": (2, 2)}, "plan.layers_per_stage", "one entry per stage"),
-    ({"dp": 2, "pp": 4, "layers_per_stage": (0, 2, 1, 1)}, "plan.layers_per_stage", "at least one layer"),
+    ({"dp": 2, "pp": 4, "layers_per_stage": (1, 0, 2, 1)}, "plan.layers_per_stage", "stage 1 would hold nothing"),
+    ({"dp": 2, "pp": 4, "layers_per_stage": (-1, 2, 2, 1)}, "plan.layers_per_stage", "cannot be negative"),
     ({"dp": 1, "pp": 8}, "plan.pp", "model has 4 layers"),
     ({"dp": 8, "zero": 4}, "plan.zero", "use 0, 1, 2 or 3"),
     ({"dp": 8, "recompute": "some"}, "plan.recompute", "none, selective, full"),
@@ -157,3 +158,13 @@ def test_load_plan_errors(tmp_path):
     data["plan"]["speed"] = "fast"
     with pytest.raises(SpecError, match="plan.speed"):
         plan_from_dict(data)
+
+
+def test_stages_may_hold_only_the_embedding_or_the_head():
+    plan = make(dp=2, pp=4, layers_per_stage=(0, 2, 2, 0))
+    assert plan.layers_per_stage == (0, 2, 2, 0)
+    assert make(dp=4, pp=2, schedule="interleaved-1f1b", virtual_stages=2, layers_per_stage=(0, 2, 2, 0),
+                global_batch=16, micro_batch=2).num_stages == 4
+    with pytest.raises(SpecError, match="model has 4 layers; give --layers-per-stage with 0 for a stage holding only"):
+        make(dp=1, pp=8)
+    assert make("1x6xH100", dp=1, pp=6, layers_per_stage=(0, 1, 1, 1, 1, 0)).pp == 6  # 4 layers on 6 stages

@@ -1,6 +1,6 @@
 """The `fivefold` command: parsing and printing only; the work lives in the modules.
 
-Verbs: plan, estimate, simulate, train, profile, report, convert. Any bad input ends with one line
+Verbs: plan, estimate, simulate, train, generate, serve, profile, report, convert. Any bad input ends with one line
 `error: FIELD=VALUE: what would be valid` on stderr and exit code 2.
 """
 
@@ -162,6 +162,8 @@ def cmd_dryrun(args: argparse.Namespace) -> int:
         print_json(result.to_dict())
     else:
         print(summary_line(result))
+        for note in result.notes:
+            print(f"note: {note}")
     for line in overflow_lines(result):
         print(f"error: {line}", file=sys.stderr)
     return 0 if result.fits else 1
@@ -336,6 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_layout_flags(p)
     add_run_flags(p)
     add_json_flag(p)
+
+    from fivefold.serve.verbs import add_serve_verbs
+
+    add_serve_verbs(verb, add_json_flag, print_json)
 
     p = verb("profile", "measure this machine: GEMMs, memory bandwidth, collectives", cmd_profile)
     p.add_argument("--quick", action="store_true", help="a small grid, under a minute")

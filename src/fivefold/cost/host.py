@@ -20,7 +20,7 @@ NO_TP_COLLECTIVES = TensorParallelCollectives(0, 0, 0, 0, 0, 0)
 def ddp_on_cpu(layout: Layout) -> bool:
     """The runtime runs this layout under DistributedDataParallel on CPU (spec.plan.reduced_by_ddp): buckets
     of gradients, no per-module FSDP hooks or collectives."""
-    return reduced_by_ddp(layout.dp, layout.cp, layout.tp, layout.pp, layout.zero, layout.ep)
+    return reduced_by_ddp(layout.dp, layout.cp, layout.tp, layout.pp, layout.zero, layout.ep, layout.etp)
 
 
 def stack_on_profiled_cpu(layout: Layout, stack: SoftwareStack) -> SoftwareStack:
@@ -34,7 +34,7 @@ def stack_on_profiled_cpu(layout: Layout, stack: SoftwareStack) -> SoftwareStack
     if ddp_on_cpu(layout):
         stack = replace(stack, collective_per_module=False)
     if reductions_overlap_on_cpu(layout.dp, layout.cp, layout.tp, layout.pp, layout.zero, layout.ep,
-                                 layout.num_micro_batches):
+                                 layout.num_micro_batches, layout.etp):
         stack = replace(stack, overlap_grad_reduce=True)
     return stack
 
@@ -57,8 +57,9 @@ def with_host_costs(layout: Layout, env: RankEnv, stack: SoftwareStack, costs: L
     tensor_parallel = layout.tp > 1
     op_f = host.dtensor_op_forward if tensor_parallel else host.op_forward
     op_b = host.dtensor_op_backward if tensor_parallel else host.op_backward
-    # What each DTensor collective costs beyond the collective itself (which cost/layer.py charges).
-    tp = tensor_parallel_collectives(layout.sequence_parallel) if tensor_parallel else NO_TP_COLLECTIVES
+    # What each tp collective (DTensor, or plain torch.distributed in MoE blocks) costs beyond the collective
+    # itself (which cost/layer.py charges).
+    tp = tensor_parallel_collectives(layout.sequence_parallel, layout.model) if tensor_parallel else NO_TP_COLLECTIVES
     collective = host.tp_collective
     # FSDP2 / replicate wrap each block and each stage model (DDP hooks the parameters in C++ instead).
     wrapped = layout.dp * layout.cp > 1 and not ddp_on_cpu(layout)
@@ -67,13 +68,11 @@ def with_host_costs(layout: Layout, env: RankEnv, stack: SoftwareStack, costs: L
     # The unfused element-wise traffic beyond cost/layer.py's fused kernels: this rank's tokens, its TP shard.
     tokens = layout.micro_batch * layout.train.seq_len / (layout.cp * layout.tp)
     per_element = env.device.element_bytes / env.device.bandwidth
-    # The MoE experts' part runs on every tp rank's whole sequence when tp does not split the block.
-    expert_split = 1 if stack.moe_replicated_over_tp else layout.tp
-    expert_tokens = tokens * layout.tp / expert_split
-    traffic_f = ((ops.layer_forward_traffic - ops.expert_forward_traffic) * tokens
-                 + ops.expert_forward_traffic * expert_tokens) * per_element
-    traffic_b = ((ops.layer_backward_traffic - ops.expert_backward_traffic) * tokens
-                 + ops.expert_backward_traffic * expert_tokens + ops.layer_backward_fixed / expert_split) * per_element
+    # MoE blocks included: each tp rank routes its own tokens / tp (runtime/expert_folding.py), and an etp
+    # group's etp x the rows at 1/etp of the width move the same elements as its own rows at the full width;
+    # the stacked expert gradients are each rank's 1/etp slice of its local experts.
+    traffic_f = ops.layer_forward_traffic * tokens * per_element
+    traffic_b = (ops.layer_backward_traffic * tokens + ops.layer_backward_fixed / layout.etp) * per_element
     if stack.compiled_blocks:  # inductor fuses the element-wise ops: few kernels, no unfused traffic
         ops = replace(ops, layer_forward=COMPILED_BLOCK_OPS[0], layer_backward=COMPILED_BLOCK_OPS[1])
         traffic_f = traffic_b = 0.0

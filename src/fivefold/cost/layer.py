@@ -22,7 +22,7 @@ from fivefold.cost.comm import SELF, GroupLink, all_gather_time, all_reduce_time
 from fivefold.cost.context import context_parallel_comm
 from fivefold.cost.compute import Device, elementwise_time, flash_attention_time, gemm_time
 from fivefold.cost.moe import split_by_layer_kind
-from fivefold.cost.moe_block import moe_mlp, moe_tokens
+from fivefold.cost.moe_block import moe_mlp, moe_tokens, tp_split_block_comm
 from fivefold.cost.passwork import ZERO_PASS, PassCost, PassWork, fp8_linear, mlp
 
 __all__ = ["ZERO_PASS", "LayerShape", "PassCost", "embedding_cost", "head_cost", "layer_cost", "padded_vocab"]
@@ -151,15 +151,13 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
     # MLP block: norm, (router, dispatch), up/gate GEMM, activation, down GEMM, (combine), TP, residual.
     work.elementwise(device, 2 * norm_tokens * h * e, 3 * norm_tokens * h * e, 1, 2)
     if m.is_moe:  # router to combine, term by term, over the folded expert groups (cost/moe_block.py)
-        routed_tokens, split = moe_tokens(tokens, t, shape.etp, shape.sequence_parallel, stack.moe_replicated_over_tp)
-        up, down = moe_mlp(work, m, routed_tokens, shape.ep, shape.expert_imbalance, split, device, stack,
-                           ep_link)[1:]
-        if stack.moe_replicated_over_tp:
-            if tp_link.size > 1 and shape.sequence_parallel:  # the input gathered; the output's gradient gathered
-                gather = all_gather_time(hidden_bytes, tp_link)
-                work.collective("tp", gather, gather)
+        split = moe_tokens(tokens, t, shape.etp, shape.sequence_parallel, stack.moe_splits_tokens_over_tp)
+        block = moe_mlp(work, m, split, shape.ep, shape.expert_imbalance, device, stack, ep_link)
+        if stack.moe_splits_tokens_over_tp:
+            tp_split_block_comm(work, m, block, hidden_bytes, shape.sequence_parallel, tp_link, etp_link, e)
         else:  # the etp group gathers its tokens and reduce-scatters the experts' partial sums (none at etp 1)
-            _tp_collectives(work, routed_tokens * h * e, etp_link, shape.sequence_parallel, stack, [up, down])
+            _tp_collectives(work, split.routed * h * e, etp_link, shape.sequence_parallel, stack,
+                            [block.up, block.down])
     else:
         up, down = mlp(work, device, stack, tokens, h, m.ffn_hidden // t, m.mlp == "swiglu", bias=bias)
         _tp_collectives(work, hidden_bytes, tp_link, shape.sequence_parallel, stack, [up, down])

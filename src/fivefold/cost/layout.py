@@ -122,25 +122,14 @@ def _device_index(layout: Layout, rank: int) -> int:
 _ENV_CACHE: IdentityCache[list[RankEnv]] = IdentityCache(4096)
 
 
-def expert_inner(layout: Layout, stack: SoftwareStack) -> int:
-    """The innermost expert dimension (MoE parallel folding, spec/folding.py: edp x ep x etp over a stage's
-    dp x cp x tp ranks): the plan's etp; a stack that runs the whole MoE block on every tp rank
-    (moe_replicated_over_tp: fivefold's runtime) groups its experts over dp x cp, i.e. with tp innermost (a
-    plan it cannot run, ep beyond dp x cp, is costed with the plan's folding)."""
-    replicated = stack.moe_replicated_over_tp and (layout.dp * layout.cp) % layout.ep == 0
-    return layout.tp if replicated else layout.etp
-
-
-def rank_envs(layout: Layout, topology: Topology, inner: int | None = None) -> list[RankEnv]:
-    """Device and links of every pipeline rank (cached: the planner asks for each placement many times).
-    `inner`: the innermost expert dimension (expert_inner; default the plan's etp)."""
-    inner = inner or layout.etp
-    key = (layout.train.dtype, layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, inner, layout.etp,
+def rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
+    """Device and links of every pipeline rank (cached: the planner asks for each placement many times)."""
+    key = (layout.train.dtype, layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.etp,
            layout.placement, layout.replica_micro_batches)
     cached = _ENV_CACHE.get(topology, key)
     if isinstance(cached, list):
         return cached
-    return _ENV_CACHE.put(topology, key, _build_rank_envs(layout, topology, inner))
+    return _ENV_CACHE.put(topology, key, _build_rank_envs(layout, topology))
 
 
 def _congruent(stride: int, members: int, per_node: int) -> bool:
@@ -159,7 +148,7 @@ def _slowest(links: list[GroupLink]) -> GroupLink:
     return max(links, key=lambda link: (all_reduce_time(2.0**26, link), link.size))
 
 
-def _build_rank_envs(layout: Layout, topology: Topology, inner: int) -> list[RankEnv]:
+def _build_rank_envs(layout: Layout, topology: Topology) -> list[RankEnv]:
     cluster, dtype = layout.cluster, layout.train.dtype
     homogeneous = cluster.is_homogeneous and not layout.placement
     per_node = cluster.groups[0].gpus_per_node
@@ -208,9 +197,10 @@ def _build_rank_envs(layout: Layout, topology: Topology, inner: int) -> list[Ran
             1 if homogeneous and _congruent(tp, len(replicas), per_node) else min(tp, GROUPS_CHECKED))]
         replica_link = _slowest(replica_links)
         expert_link, expert_replicas, etp_link = SELF, replica_link, SELF
+        inner = layout.etp
         if layout.model.is_moe and (ep > 1 or inner != tp):
-            # Stage ranks s = (dp * cp + c) * tp + t (the block's order) regroup as edp x ep x inner (inner
-            # innermost): an ep group is ep ranks `inner` apart, an edp group edp ranks inner * ep apart.
+            # Stage ranks s = (dp * cp + c) * tp + t (the block's order) regroup as edp x ep x etp (etp
+            # innermost, spec/folding.py): an ep group is ep ranks etp apart, an edp group edp ranks etp * ep apart.
             edp = len(block) // (ep * inner)
             offsets = range(1 if homogeneous and _congruent(inner, ep, per_node) else min(inner, GROUPS_CHECKED))
             expert_link = _slowest([link([block[o + i * inner] for i in range(ep)]) for o in offsets])
@@ -262,9 +252,12 @@ def _layer_costs(layout: Layout, env: RankEnv, stack: SoftwareStack) -> LayerCos
 
 def layer_work(layout: Layout, stack: SoftwareStack) -> tuple[PassCost, PassCost, PassCost]:
     """(one layer, embedding, LM head) costs for one micro-batch on pipeline rank 0 (the planner's bounds)."""
-    env = rank_envs(layout, topology_of(layout.cluster), expert_inner(layout, stack))[0]
+    env = rank_envs(layout, topology_of(layout.cluster))[0]
     costs = layer_costs(layout, env, stack)
     return costs.layer, costs.embedding, costs.head
+
+
+_STAGE_PARAMS: IdentityCache[tuple[float, float]] = IdentityCache(20000)  # by model: the planner asks ~10^4 times
 
 
 def stage_params(layout: Layout, layers: int, first: bool, last: bool,
@@ -273,6 +266,14 @@ def stage_params(layout: Layout, layers: int, first: bool, last: bool,
 
     `holds_embedding`: the rank running this (last) stage also runs the first one (zbv puts both ends on
     rank 0), so a tied LM head can use the embedding matrix itself instead of a copy."""
+    key = (layout.tp, layout.ep, layout.etp, layers, first, last, holds_embedding)
+    cached = _STAGE_PARAMS.get(layout.model, key)
+    if isinstance(cached, tuple):
+        return cached
+    return _STAGE_PARAMS.put(layout.model, key, _stage_params(layout, layers, first, last, holds_embedding))
+
+
+def _stage_params(layout: Layout, layers: int, first: bool, last: bool, holds_embedding: bool) -> tuple[float, float]:
     m, t = layout.model, layout.tp
     per_layer: float = m.params_per_layer()
     expert = 0.0
@@ -313,13 +314,14 @@ def group_work(layout: Layout, costs: LayerCosts, layers: int, first: bool, last
     if isinstance(cached, GroupWork):
         return cached
     layer, embedding, head, activation, _, per_chunk = costs
-    cost = layer.scaled(layers) + per_chunk.scaled(chunks)
-    if extra is not ZERO_PASS:  # host.split_backward_host's (profiled CPU ranks only: off the planner's path)
-        cost = cost + extra
-    if first:
-        cost = cost + embedding
-    if last:
-        cost = cost + head
+    # One pass over the fields (a miss here is the search's most frequent new cost): layers x layer +
+    # chunks x per-chunk + the ends the rank holds + extra.
+    # Added in the order of the field-wise sums it replaces, so every float is the same.
+    ends = [part for part, held in ((extra, extra is not ZERO_PASS), (embedding, first), (head, last)) if held]
+    values = [a * layers + b * chunks for a, b in zip(layer, per_chunk)]
+    for end in ends:
+        values = [value + x for value, x in zip(values, end)]
+    cost = PassCost._make(values)
     # Stage params are linear in layers, so the rank's sum is one call with its totals.
     dense, expert = stage_params(layout, layers, first, last, holds_embedding=first)
     return _GROUP_WORK.put(costs, key, GroupWork(

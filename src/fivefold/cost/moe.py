@@ -94,19 +94,17 @@ def moe_block_ops(model: ModelSpec, local_experts: int) -> tuple[int, int]:
     return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
 
-def moe_mlp_traffic(model: ModelSpec) -> tuple[float, float, float, float]:
+def moe_mlp_traffic(model: ModelSpec) -> tuple[float, float]:
     """Elements per token the eager MoE block's element-wise ops move beyond cost/layer.py's fused kernels in
-    place of the dense MLP's (forward, backward), then the part of them that is the routed and shared
-    experts' own; fitted on the runtime's block like eager_ops' dense formulas (within 1%): routing and
+    place of the dense MLP's (forward, backward); fitted on the runtime's block like eager_ops' dense formulas (within 1%): routing and
     the weighted sum (RoPE family: 3h backward; GPT family: 2h / 5h), per routed copy the row gather, the
     concatenation of the experts' outputs and the un-permute (4h forward; 14h backward with SwiGLU's
     products, 2f / 4f), per shared expert 3h + 2f / 6h + 4f."""
     h, f, k, s = model.hidden, model.expert_ffn_hidden, model.top_k, model.shared_experts
     if model.position == "rope":
         forward, backward = k * (4 * h + 2 * f) + s * (3 * h + 2 * f), k * (14 * h + 4 * f) + s * (6 * h + 4 * f)
-        return forward, 3 * h + backward, forward, backward
-    forward, backward = 4 * k * h + 3 * s * h, 11 * k * h + 3 * s * h
-    return 2 * h + forward, 5 * h + backward, forward, backward
+        return forward, 3 * h + backward
+    return 2 * h + 4 * k * h + 3 * s * h, 5 * h + 11 * k * h + 3 * s * h
 
 
 def expert_gradient_stack(model: ModelSpec, local_experts: int) -> float:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from fivefold.cost.comm import GroupLink, all_to_all_time
+from fivefold.cost.comm import GroupLink, all_gather_time, all_reduce_time, all_to_all_time, reduce_scatter_time
 from fivefold.cost.compute import Device
 from fivefold.cost.moe import all_to_all_bytes, moe_block_ops, routed_rows
 from fivefold.cost.passwork import PassWork, mlp
@@ -56,20 +56,33 @@ class MoETerms(NamedTuple):
 
 class MoEBlock(NamedTuple):
     terms: MoETerms
+    expert_rows: int  # rows the busiest rank's local experts compute (after any etp gather)
     up: tuple[float, float, float]  # the expert GEMMs (forward, dgrad, wgrad), for the TP collectives' overlap
     down: tuple[float, float, float]
 
 
-def moe_tokens(tokens: int, tp: int, etp: int, sequence_parallel: bool, replicated: bool) -> tuple[int, int]:
-    """(tokens one rank routes, ways each expert's width is split) under MoE parallel folding (spec/folding.py):
-    with sequence parallelism a rank holds tokens / tp of its tp group's `tokens` and the etp group gathers
-    etp of those shards (etp = tp: the whole group's tokens, Megatron's default; etp = 1: its own shard, ep
-    spanning tp); without it every rank holds all of them. A stack that runs the whole block on every tp rank
-    (`replicated`) routes all the tokens of its tp group through unsplit experts."""
-    if replicated:
-        return tokens, 1
+class MoETokens(NamedTuple):
+    """How one rank's MoE block sees its tokens under MoE parallel folding (spec/folding.py)."""
+
+    routed: int  # tokens this rank routes: router, permutes, the ep all-to-all, the shared experts
+    gathered: int  # ways the etp group gathers the dispatched copies before the experts (1: none, or gathered
+    #                before routing: already in `routed`)
+    split: int  # ways each routed expert's width is split (etp)
+    shared_split: int  # ways the shared experts' width is split
+
+
+def moe_tokens(tokens: int, tp: int, etp: int, sequence_parallel: bool, splits_over_tp: bool) -> MoETokens:
+    """What one rank routes of its tp group's `tokens`, and how its experts are split.
+
+    Megatron-Core: with sequence parallelism a rank holds tokens / tp and the etp group gathers etp of those
+    shards (etp = tp: the whole group's tokens, its default; etp = 1: its own shard, ep spanning tp), costed as
+    gathered before routing; without it every rank routes all of them. `splits_over_tp` (fivefold's runtime,
+    runtime/expert_folding.py): every tp rank routes its own tokens / tp with or without sequence parallelism,
+    the etp group gathers the dispatched copies after the all-to-all, and the shared experts stay whole."""
+    if splits_over_tp:
+        return MoETokens(tokens // tp, etp, etp, 1)
     own = tokens // tp if sequence_parallel and tp > 1 else tokens
-    return (own * etp if sequence_parallel and tp > 1 else own), etp
+    return MoETokens(own * etp if sequence_parallel and tp > 1 else own, 1, etp, etp)
 
 
 def dispatch_time(tokens: int, model: ModelSpec, element_bytes: int, imbalance: float, link: GroupLink,
@@ -93,10 +106,10 @@ def _seconds(work: PassWork) -> float:
             + sum(work.forward_comm.values()) + sum(work.backward_comm.values()))
 
 
-def moe_mlp(work: PassWork, model: ModelSpec, tokens: int, ep: int, imbalance: float, tp_split: int,
-            device: Device, stack: SoftwareStack, ep_link: GroupLink) -> MoEBlock:
-    """Add one MoE block (router to combine) to `work`; `tp_split` ways tp cuts the experts' width."""
-    m, e, h = model, device.element_bytes, model.hidden
+def moe_mlp(work: PassWork, model: ModelSpec, split: MoETokens, ep: int, imbalance: float, device: Device,
+            stack: SoftwareStack, ep_link: GroupLink) -> MoEBlock:
+    """Add one MoE block (router to combine) to `work` for the tokens and expert split of `split`."""
+    m, e, h, tokens = model, device.element_bytes, model.hidden, split.routed
     kernels = work.forward_kernels, work.backward_kernels
     marks = [_seconds(work)]
 
@@ -111,12 +124,14 @@ def moe_mlp(work: PassWork, model: ModelSpec, tokens: int, ep: int, imbalance: f
                      3 * probabilities + aux, 3, 2)
     mark()
     routed, per_expert = routed_rows(tokens, m, ep, imbalance)
+    per_expert *= split.gathered  # the etp group's copies of each local expert's rows
     local_experts = m.experts // ep
     busiest = per_expert * local_experts  # rows the busiest rank's experts compute
     # Permute before dispatch and unpermute after combine (read + write per copy each); with ep > 1 the
-    # received rows are also sorted by local expert and back.
-    moved = (4 * routed + (4 * busiest if ep > 1 else 0)) * h * e
-    work.elementwise(device, moved, moved, 4 if ep > 1 else 2, 4 if ep > 1 else 2)
+    # received (and etp-gathered) rows are also sorted by local expert and back.
+    sorts = ep > 1 or split.gathered > 1
+    moved = (4 * routed + (4 * busiest if sorts else 0)) * h * e
+    work.elementwise(device, moved, moved, 4 if sorts else 2, 4 if sorts else 2)
     mark()
     if stack.moe_dispatch_syncs_host:
         work.host_wait += HOST_SYNC_SECONDS + KERNELS_AFTER_SYNC * stack.host_seconds_per_kernel
@@ -127,15 +142,42 @@ def moe_mlp(work: PassWork, model: ModelSpec, tokens: int, ep: int, imbalance: f
         work.collective("ep", counts + 2 * dispatch, 2 * dispatch)
     mark()
     swiglu = m.mlp == "swiglu"
-    up, down = mlp(work, device, stack, per_expert, h, m.expert_ffn_hidden // tp_split, swiglu, local_experts)
+    up, down = mlp(work, device, stack, per_expert, h, m.expert_ffn_hidden // split.split, swiglu, local_experts)
     mark()
     if m.shared_experts:
-        mlp(work, device, stack, tokens, h, m.shared_experts * m.expert_ffn_hidden // tp_split, swiglu)
+        mlp(work, device, stack, tokens, h, m.shared_experts * m.expert_ffn_hidden // split.shared_split, swiglu)
     mark()
     # Launches: the dense MLP's (up, activation, down; five backward) plus what the eager MoE block adds.
     extra_forward, extra_backward = moe_block_ops(m, local_experts)
     work.forward_kernels = kernels[0] + 3 + extra_forward
     work.backward_kernels = kernels[1] + 5 + extra_backward
     parts = [b - a for a, b in zip(marks, marks[1:])]
-    return MoEBlock(MoETerms(*parts), up, down)
+    return MoEBlock(MoETerms(*parts), busiest, up, down)
 
+
+
+def tp_split_block_comm(work: PassWork, model: ModelSpec, block: MoEBlock, hidden_bytes: float,
+                        sequence_parallel: bool, tp_link: GroupLink, etp_link: GroupLink, element_bytes: int) -> None:
+    """The collectives of an MoE block whose tp ranks each route their own tokens / tp (fivefold's runtime,
+    runtime/expert_folding.py), per micro-batch:
+    - etp > 1: the etp group exchanges the dispatched copies (all-gather of `block.expert_rows` rows forward,
+      reduce-scatter of the partial outputs; backward the reverse pair), as all-to-alls of uneven rows;
+    - tp > 1 without sequence parallel: the replicated input is cut locally (backward: its gradient all-gathered,
+      SplitSequence) and the output all-gathered (GatherSequence; backward keeps a part): one all-gather of the
+      block's whole activation (`hidden_bytes`) each way;
+    - tp > 1: the router's and shared experts' weights saw different tokens on each tp rank, so their
+      gradients are all-reduced over tp in backward, one all-reduce per weight (SumGradient).
+    Under sequence parallelism the input already is the rank's part: no activation collective over tp."""
+    rows = block.expert_rows * model.hidden * element_bytes
+    exchange = all_gather_time(rows, etp_link) + reduce_scatter_time(rows, etp_link)
+    if exchange > 0:
+        work.collective("tp", exchange, exchange)
+    if tp_link.size <= 1:
+        return
+    gather = 0.0 if sequence_parallel else all_gather_time(hidden_bytes, tp_link)
+    weights = [model.experts * model.hidden]  # the router
+    if model.shared_experts:
+        width = model.shared_experts * model.expert_ffn_hidden
+        weights += [model.hidden * width] * (3 if model.mlp == "swiglu" else 2)
+    gradients = sum(all_reduce_time(size * element_bytes, tp_link) for size in weights)
+    work.collective("tp", gather, gather + gradients)

@@ -17,10 +17,10 @@ from fivefold.cost.stack import SoftwareStack
 
 def moe_layer_terms(layout: Layout, env: RankEnv, stack: SoftwareStack) -> MoETerms:
     """The terms of one MoE block for one micro-batch on a rank like `env` (the same work layer_cost adds)."""
-    tokens, split = moe_tokens(layout.micro_batch * layout.train.seq_len // layout.cp, layout.tp, layout.etp,
-                               layout.sequence_parallel, stack.moe_replicated_over_tp)
-    return moe_mlp(PassWork(), layout.model, tokens, layout.ep, layout.train.expert_imbalance, split,
-                   env.device, stack, env.ep).terms
+    split = moe_tokens(layout.micro_batch * layout.train.seq_len // layout.cp, layout.tp, layout.etp,
+                       layout.sequence_parallel, stack.moe_splits_tokens_over_tp)
+    return moe_mlp(PassWork(), layout.model, split, layout.ep, layout.train.expert_imbalance, env.device, stack,
+                   env.ep).terms
 
 
 def with_moe_parts(estimate: Estimate, layout: Layout, slowest: RankGroup, fullest: RankGroup,

@@ -105,8 +105,10 @@ class SoftwareStack:
     #                              Llama: repeat_kv, then F.scaled_dot_product_attention): CP moves heads-wide K/V
     cp_ring_backward: bool = False  # torch's experimental CP (late 2024): the backward gathers K/V again and passes
     #                                 dK/dV around the ring in fp32, one hop per ring step (cost/context.py)
-    moe_replicated_over_tp: bool = False  # every tp rank runs the whole MoE block (experts unsplit; with SP its
-    #                                       input gathered over tp, its output cut back: runtime/expert_parallel.py)
+    moe_splits_tokens_over_tp: bool = False  # each tp rank routes its own tokens / tp even without SP (the
+    #                                          output all-gathered over tp then), the etp group gathers the
+    #                                          dispatched copies; router and shared-expert gradients summed over
+    #                                          tp (runtime/expert_folding.py; cost/moe_block.py)
     moe_dispatch_syncs_host: bool = True  # MoE dispatch copies token counts to the host first (cost/moe_block.py)
     moe_dispatch_per_node: bool = False  # DeepEP: one network copy of a token per destination node, forwarded
     #                                      over NVLink to its experts there (cost/moe_block.py dispatch_time)
@@ -166,11 +168,11 @@ STACKS: dict[str, SoftwareStack] = {
                               fused_elementwise=False, sdpa_flash2=True,
                               pipeline_keeps_outputs=True, optimizer_temporary_bytes=4.0,
                               selective_saves_ops=True, selective_saves_every_matmul=True, loss_fp32_copies=3,
-                              pipeline_returns_outputs=False, tp_gathers_logits=True, moe_replicated_over_tp=True,
+                              pipeline_returns_outputs=False, tp_gathers_logits=True, moe_splits_tokens_over_tp=True,
                               pipeline_defers_grad_sync=True, zero2_reshards_after_backward=True,
                               eager_host_costs=True, features=Features(
-                                  moe_folding=False,
-                                  built_on="FSDP2, DTensor TP, torch.distributed.pipelining, own CP, eager")),
+                                  built_on="FSDP2, DTensor TP, torch.distributed.pipelining, own CP, MoE folding, "
+                                           "eager")),
     # TorchTitan as benchmarked at the end of 2024 (benchmarks/llama3_h100_202412_torchtitan.md; its
     # schedules: GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble (zb-h1 here); no ZBV yet, and no
     # gradient accumulation without a pipeline): FSDP2 (ZeRO-3, or ZeRO-2 with
@@ -236,9 +238,8 @@ class EagerOps:
     stage_forward: int  # every stage model: its position ids
     layer_forward_traffic: float  # elements per token one block's unfused forward moves beyond cost/layer.py's
     layer_backward_traffic: float  # fused element-wise kernels (forward, backward)
-    layer_backward_fixed: float = 0.0  # elements one block's backward moves per micro-batch (MoE: cost/moe.py)
-    expert_forward_traffic: float = 0.0  # of the per-token traffic, the MoE experts' part (which tp may not
-    expert_backward_traffic: float = 0.0  # split: SoftwareStack.moe_replicated_over_tp)
+    layer_backward_fixed: float = 0.0  # elements one block's backward moves per micro-batch with whole experts
+    #                                    (MoE: cost/moe.py; etp splits it)
 
 
 def eager_ops(model: ModelSpec, ep: int = 1) -> EagerOps:
@@ -268,45 +269,50 @@ def eager_ops(model: ModelSpec, ep: int = 1) -> EagerOps:
     mlp_traffic = (6 * f, 4 * f) if rope else (0, f)
     forward = 39.0 + 28 * rope + 5 * swiglu + 12 * rms + 8 * grouped
     backward = 93.0 + 14 * rope + 6 * swiglu + 18 * rms + 7 * grouped
-    fixed, expert_traffic = 0.0, (0.0, 0.0)
+    fixed = 0.0
     share = moe_share(model)
     if share > 0:
         local = model.experts // ep
         extra_forward, extra_backward = moe_block_ops(model, local)
-        moe_forward, moe_backward, experts_forward, experts_backward = moe_mlp_traffic(model)
+        moe_forward, moe_backward = moe_mlp_traffic(model)
         forward, backward = forward + share * extra_forward, backward + share * extra_backward
         forward_traffic += share * moe_forward
         backward_traffic += share * moe_backward
         fixed = share * expert_gradient_stack(model, local)
-        expert_traffic = (share * experts_forward, share * experts_backward)
     forward_traffic += (1 - share) * mlp_traffic[0]
     backward_traffic += (1 - share) * mlp_traffic[1]
     return EagerOps(
         layer_forward=forward, layer_backward=backward,
         embedding_forward=1 + 2 * learned, embedding_backward=1 + 4 * learned,
         head_forward=13 + 6 * rms, head_backward=19 + 15 * rms, stage_forward=1,
-        layer_forward_traffic=forward_traffic, layer_backward_traffic=backward_traffic, layer_backward_fixed=fixed,
-        expert_forward_traffic=expert_traffic[0], expert_backward_traffic=expert_traffic[1])
+        layer_forward_traffic=forward_traffic, layer_backward_traffic=backward_traffic, layer_backward_fixed=fixed)
 
 
 @dataclass(frozen=True)
 class TensorParallelCollectives:
-    """DTensor collectives the runtime's tensor parallelism issues per micro-batch (counted on torch 2.13:
-    DTensor does not merge the input-gradient all-reduces of wq, wk, wv and of w1, w3 without sequence
-    parallelism)."""
+    """Collectives the runtime's tensor parallelism issues per micro-batch (counted on torch 2.13: DTensor
+    does not merge the input-gradient all-reduces of wq, wk, wv and of w1, w3 without sequence parallelism)."""
 
-    layer_forward: int
-    layer_backward: int
+    layer_forward: float  # an average block for a model mixing dense and MoE layers
+    layer_backward: float
     embedding_forward: int
     embedding_backward: int
     head_forward: int  # with the logits gathered whole for the loss
     head_backward: int
 
 
-def tensor_parallel_collectives(sequence_parallel: bool) -> TensorParallelCollectives:
-    if sequence_parallel:  # all-gather before and reduce-scatter after attention and MLP, both ways
-        return TensorParallelCollectives(4, 4, 1, 1, 2, 1)
-    return TensorParallelCollectives(2, 5, 1, 0, 1, 1)
+def tensor_parallel_collectives(sequence_parallel: bool, model: ModelSpec) -> TensorParallelCollectives:
+    """SP: all-gather before and reduce-scatter after attention and the dense MLP, both ways; else one
+    all-reduce after each forward, and the input gradients' all-reduces (3 attention, 2 MLP). An MoE block
+    instead routes this rank's tokens (runtime/expert_folding.py): no SP, one all-gather of its output forward
+    and of its input's gradient backward; then one gradient all-reduce per router and shared-expert weight."""
+    share = moe_share(model)
+    shared = (3 if model.mlp == "swiglu" else 2) if model.shared_experts else 0
+    mlp, moe = ((2, 2), (0, 1 + shared)) if sequence_parallel else ((1, 2), (1, 2 + shared))
+    attention = (2, 2) if sequence_parallel else (1, 3)
+    forward, backward = (attention[i] + (1 - share) * mlp[i] + share * moe[i] for i in (0, 1))
+    return TensorParallelCollectives(forward, backward, 1, 1 if sequence_parallel else 0, 2 if sequence_parallel
+                                     else 1, 1)
 
 
 def stack_named(name: str) -> SoftwareStack:

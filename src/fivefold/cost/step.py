@@ -49,7 +49,7 @@ from fivefold.cost.flops import hardware_flops_per_step, model_flops_per_step
 from fivefold.cost.host import (bookkeeping_time, ddp_on_cpu, split_backward_host, stack_on_profiled_cpu,
                                  with_host_costs)
 from fivefold.cost.layer import padded_vocab
-from fivefold.cost.layout import (Layout, LayerCosts, RankEnv, RankGroup, expert_inner, layer_costs, rank_envs,
+from fivefold.cost.layout import (Layout, LayerCosts, RankEnv, RankGroup, layer_costs, rank_envs,
                                   stage_owners, stage_params)
 from fivefold.cost.memory import RankMemory, in_flight_chunks, zero_model_state_bytes
 from fivefold.cost.moe_breakdown import with_moe_parts
@@ -156,7 +156,7 @@ def _rank_groups(layout: Layout, stack: SoftwareStack) -> _RankGroups:
     costed once.
     """
     topology = topology_of(layout.cluster)
-    envs = rank_envs(layout, topology, expert_inner(layout, stack))
+    envs = rank_envs(layout, topology)
     if envs[0].device.host is not None:  # CPU ranks profiled with host costs: the stack's CPU variant
         stack = stack_on_profiled_cpu(layout, stack)
     p = layout.pp

@@ -148,6 +148,17 @@ def measure_rank(plan: Plan, rank: int, gpu_configuration: bool, seed: int = 0) 
             return build_and_step(plan, mesh, param_dtype, seed, started, fake=True)
 
 
+def balanced_moe(parts: dict[int, nn.Module]) -> None:
+    """Every MoE block routes the balanced share of copies to each expert (models/moe.py balanced_counts):
+    fake tensors have no values to route by, and the real run of dryrun/real.py must do the same step."""
+    from fivefold.models import MoE
+
+    for part in parts.values():
+        for module in part.modules():
+            if isinstance(module, MoE):
+                module.balanced = True
+
+
 def build_and_step(plan: Plan, mesh, param_dtype: torch.dtype | None, seed: int, started: float,
                    fake: bool) -> Accounted:
     """Build this rank's models on `mesh` and account one step; `fake=False` is the same on real tensors in
@@ -160,6 +171,7 @@ def build_and_step(plan: Plan, mesh, param_dtype: torch.dtype | None, seed: int,
 
     device = mesh.device
     parts = build_model_parts(plan, mesh, seed, param_dtype)
+    balanced_moe(parts)
     params = [p for part in parts.values() for p in part.parameters()]
     optimizer = build_optimizer(params, lr=1e-4)
     for param in params:  # optimizer state as in every step after the first

@@ -28,6 +28,8 @@ from fivefold.spec import Plan
 
 GIB = 2**30
 PARTS = ("params", "grads", "optimizer", "activations", "transient")
+BALANCED_NOTE = ("MoE token splits fixed at the balanced expectation: each expert computes tokens x top_k / experts "
+                 "copies per micro-batch (the router's real choice needs token values)")
 
 
 class DryRunBuildError(FivefoldError):
@@ -87,6 +89,7 @@ class DryRun:
     stack: str
     ranks: list[RankResult] = field(default_factory=list)
     seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)  # what the dry run fixed that a real run decides
 
     @property
     def fits(self) -> bool:
@@ -94,7 +97,8 @@ class DryRun:
 
     def to_dict(self) -> dict:
         return {"plan": self.describe, "device": self.device, "world_size": self.world_size, "stack": self.stack,
-                "fits": self.fits, "seconds": round(self.seconds, 2), "ranks": [r.to_dict() for r in self.ranks]}
+                "fits": self.fits, "seconds": round(self.seconds, 2), "notes": self.notes,
+                "ranks": [r.to_dict() for r in self.ranks]}
 
 
 # Micro-batches one rank steps through on fake tensors: each costs a full-scale forward and backward of its
@@ -164,12 +168,11 @@ def dry_run(plan: Plan, device: str | None = None, stack_name: str = "fivefold",
     device = device or default_device(plan)
     # What `fivefold train` refuses before it starts, less the count of GPUs on this machine (none needed here).
     check_runnable(plan, plan.world_size, device, gpus=plan.world_size)
-    if plan.model.is_moe:
-        raise SpecError("model.experts", plan.model.experts, "the dry run cannot step MoE layers: how many tokens "
-                        "each expert gets depends on the token values, which fake tensors do not have")
     stack = stack_named(stack_name)
     predicted = estimate(plan, stack)
     result = DryRun(plan.describe(), device, plan.world_size, stack.name)
+    if plan.model.is_moe:  # fake tensors have no values to route by (dryrun/rank.py balanced_moe)
+        result.notes.append(BALANCED_NOTE)
     started = time.perf_counter()
     ranks = representative_ranks(plan)
     # One process per kind of rank, as many at once as there are cores (each is single-threaded).

@@ -46,11 +46,36 @@ class AuxLossToGrad(torch.autograd.Function):
         return grad_output, torch.ones_like(aux_loss)
 
 
+def unchanged(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class LocalTokens:
+    """Every token of this rank's input goes through the block here (no tensor parallel around it)."""
+
+    parts = 1  # ranks sharing each sequence of the block's input (tp x cp when they split it)
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+    def sum_over_sequence(self, per_sequence: torch.Tensor) -> torch.Tensor:
+        return per_sequence
+
+
+def balanced_counts(copies: int, experts: int) -> list[int]:
+    """The balanced expectation of the copies each expert gets (the first experts take the remainder)."""
+    base, extra = divmod(copies, experts)
+    return [base + (expert < extra) for expert in range(experts)]
+
+
 class LocalDispatch:
     """All experts live here (no expert parallelism): rows go straight to the experts."""
 
-    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, list[int], object]:
-        return rows, counts.tolist(), None
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor | list[int]) -> tuple[torch.Tensor, list[int], object]:
+        return rows, counts if isinstance(counts, list) else counts.tolist(), None
 
     def combine(self, rows: torch.Tensor, state: object) -> torch.Tensor:
         return rows
@@ -103,10 +128,12 @@ class SharedExperts(nn.Module):
         self.w2 = nn.Linear(width, spec.hidden, bias=False)
         self.w3 = nn.Linear(spec.hidden, width, bias=False) if self.swiglu else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, synced=unchanged) -> torch.Tensor:
+        """`synced` wraps each weight (runtime: sums its gradient over the tp ranks that split the tokens)."""
+        w1, w2 = synced(self.w1.weight), synced(self.w2.weight)
         if self.swiglu:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.w2(F.gelu(self.w1(x)))
+            return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, synced(self.w3.weight)), w2)
+        return F.linear(F.gelu(F.linear(x, w1)), w2)
 
 
 class MoE(nn.Module):
@@ -125,6 +152,13 @@ class MoE(nn.Module):
         else:
             self.expert_bias = None
         self.dispatcher: LocalDispatch = LocalDispatch()
+        # Which of the input's tokens this rank routes and how the rest of the sequence is reached; and the
+        # wrapper of the router's and shared experts' weights (runtime/expert_folding.py sets both under tp).
+        self.tokens: LocalTokens = LocalTokens()
+        self.synced = unchanged
+        # The dry run (fake tensors, no values): every expert gets the balanced share of the copies, known
+        # without reading the router's choice (balanced_counts).
+        self.balanced = False
         # 1 / (MoE layers x sequences in the global batch): the runtime sets it so the auxiliary loss sums
         # over the global batch like the token loss; None = a mean over this call's sequences.
         self.aux_loss_scale: float | None = None
@@ -134,10 +168,11 @@ class MoE(nn.Module):
         self.aux_loss_sum = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.tokens.scatter(x)
         batch, seq, hidden = x.shape
         tokens = x.reshape(-1, hidden)
         # Routing in fp32 whatever the compute dtype: top-k choices must not flip with bf16 rounding.
-        logits = F.linear(tokens.float(), self.router.weight.float())
+        logits = F.linear(tokens.float(), self.synced(self.router.weight).float())
         scores = logits.softmax(dim=-1)
         chooser = scores if self.expert_bias is None else scores + self.expert_bias
         chosen = chooser.topk(self.top_k, dim=-1).indices  # [tokens, top_k]
@@ -146,18 +181,23 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
 
         flat = chosen.flatten()
-        order = flat.argsort(stable=True)  # token copies grouped by expert, in token order within one
-        counts = torch.bincount(flat, minlength=self.experts_count)
+        if self.balanced:  # copies stand in expert order as they come; sizes from the count alone
+            order = torch.arange(flat.shape[0], device=flat.device)
+            counts: torch.Tensor | list[int] = balanced_counts(flat.shape[0], self.experts_count)
+        else:
+            order = flat.argsort(stable=True)  # token copies grouped by expert, in token order within one
+            counts = torch.bincount(flat, minlength=self.experts_count)
         rows = tokens[order // self.top_k]
         received, local_counts, state = self.dispatcher.dispatch(rows, counts)
         returned = self.dispatcher.combine(self.experts(received, local_counts), state)
         per_copy = returned[order.argsort()].view(-1, self.top_k, hidden)
         out = (per_copy * weights.unsqueeze(-1).to(per_copy.dtype)).sum(dim=1)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
+            out = out + self.shared_experts(tokens, self.synced)
         out = out.view(batch, seq, hidden)
 
         recording = torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1  # not a recompute
+        recording = recording and not self.balanced  # the dry run's stand-in routing has no statistics
         if recording:
             counted = counts.detach().to(torch.float64)
             self.load = counted if self.load is None else self.load + counted
@@ -166,14 +206,19 @@ class MoE(nn.Module):
             if recording:
                 self.aux_loss_sum += aux.item()
             out = AuxLossToGrad.apply(out, aux)
-        return out
+        return self.tokens.gather(out)
 
     def aux_loss(self, scores: torch.Tensor, chosen: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
-        """coef x sum over sequences of E * sum_e f_e P_e, times aux_loss_scale."""
+        """coef x sum over sequences of E * sum_e f_e P_e, times aux_loss_scale. When tp/cp ranks share a
+        sequence (tokens.parts > 1), f_e's counts are summed over them first (no gradient flows through f)
+        and each rank adds its own tokens' P_e: the ranks' losses then sum to the whole sequence's, and so
+        do their gradients."""
         routed = torch.zeros_like(scores).scatter_(1, chosen, 1.0)  # [tokens, E]: 1 where a copy went
-        fraction = routed.view(batch, seq, -1).mean(dim=1)  # f per sequence, sums to top_k
-        probability = scores.view(batch, seq, -1).mean(dim=1)  # P per sequence
-        per_sequence = self.experts_count * (fraction * probability).sum(dim=-1)
+        full_seq = seq * self.tokens.parts
+        routed_sum = self.tokens.sum_over_sequence(routed.view(batch, seq, -1).sum(dim=1))  # f x full_seq
+        probability_sum = scores.view(batch, seq, -1).sum(dim=1)  # this rank's share of P x full_seq
+        # E * sum_e f_e P_e, the two 1/full_seq folded into one scalar (as many ops as two means)
+        per_sequence = (self.experts_count / full_seq**2) * (routed_sum * probability_sum).sum(dim=-1)
         scale = self.aux_loss_scale if self.aux_loss_scale is not None else 1.0 / (self.moe_layers * batch)
         return self.aux_loss_coef * per_sequence.sum() * scale
 

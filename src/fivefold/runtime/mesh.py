@@ -31,6 +31,7 @@ class Mesh:
     world: DeviceMesh  # the whole (pp, dp, cp, tp) mesh
     rank: int  # global rank
     coords: dict[str, int]  # this rank's coordinate on each mesh dim
+    experts: DeviceMesh | None = None  # the (pp, edp, ep, etp) view of the same ranks (MoE layers, spec/folding.py)
 
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.world.get_group(dim)
@@ -110,4 +111,9 @@ def build_mesh(plan: Plan, device: torch.device, outer_groups: int = 1) -> Mesh:
     inner = {**coords, "dp": coords["dp"] % (plan.dp // outer_groups)}
     # The mesh must number ranks the way the plan does, or the cost model described another layout.
     assert [world.get_local_rank(dim) for dim in MESH_DIMS] == [inner[d] for d in MESH_DIMS], (coords, world)
-    return Mesh(device=device, world=world, rank=rank, coords=coords)
+    experts = None
+    if plan.model.is_moe:
+        from fivefold.runtime.expert_parallel import expert_mesh, folds_experts
+
+        experts = expert_mesh(plan, device) if folds_experts(plan) else None
+    return Mesh(device=device, world=world, rank=rank, coords=coords, experts=experts)

@@ -44,12 +44,13 @@ def _replicas(plan: Plan, sharded_dims: set[str], outer_groups: int = 1) -> int:
     for dim in MESH_DIMS:
         if dim != "pp" and dim not in sharded_dims:
             count *= getattr(plan, dim) // (outer_groups if dim == "dp" else 1)  # DiLoCo: inside one group
-    # Experts live on the (pp, edp, ep, tp) view of the same world (runtime/expert_parallel.py): ep and
-    # edp together are the dp x cp ranks.
-    if "ep" in sharded_dims:
-        count //= plan.ep
-    if "edp" in sharded_dims:
-        count //= plan.dp * plan.cp // plan.ep
+    # Experts live on the (pp, edp, ep, etp) view of the same world (spec/folding.py): edp x ep x etp are
+    # the tp x cp x dp ranks of a stage, and a slice is replicated over the expert dims that do not split it.
+    expert_dims = {"edp", "ep", "etp"}
+    if sharded_dims & expert_dims:
+        count = plan.tp * plan.cp * plan.dp
+        for dim in expert_dims & sharded_dims:
+            count //= getattr(plan, dim)
     return count
 
 

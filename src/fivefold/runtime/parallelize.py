@@ -86,7 +86,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
             "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         }
         moe = isinstance(block.feed_forward, MoE)
-        if moe:  # experts are not split by tp (runtime/expert_parallel.py says why)
+        if moe:  # the MoE block splits its tokens over tp instead (runtime/expert_folding.py)
             del block_plan["feed_forward.w1"], block_plan["feed_forward.w2"]
         elif block.feed_forward.w3 is not None:
             block_plan["feed_forward.w3"] = ColwiseParallel()
@@ -206,7 +206,8 @@ class AsyncReduceScatter(DefaultReduceScatter):
 def uses_ddp(plan, device: torch.device) -> bool:
     """On CPU, the layouts spec.plan.reduced_by_ddp names run under DistributedDataParallel (module
     docstring); experts sharded over ep are then each rank's own, and DDP leaves them out (wrap_ddp)."""
-    return device.type == "cpu" and reduced_by_ddp(plan.dp, plan.cp, plan.tp, plan.pp, plan.zero, plan.ep)
+    return device.type == "cpu" and reduced_by_ddp(plan.dp, plan.cp, plan.tp, plan.pp, plan.zero, plan.ep,
+                                                    plan.etp)
 
 
 def _sum_gradients(group, bucket):  # no annotations: DDP checks them, and this module's are strings

@@ -36,8 +36,8 @@ from fivefold.runtime.context_parallel import (apply_context_parallel, data_para
                                                shard_batch, split_micro_batches)
 from fivefold.runtime.elastic_run import ElasticRun
 from fivefold.runtime.evaluate import Evaluator
-from fivefold.runtime.expert_parallel import (expert_mesh, forget_metadata_inference, moe_step_metrics,
-                                              prepare_moe)
+from fivefold.runtime.expert_parallel import (forget_metadata_inference, moe_step_metrics, prepare_moe,
+                                              sequence_split)
 from fivefold.runtime.knobs import NO_KNOBS, FaultKnobs
 from fivefold.runtime.mesh import Mesh, build_mesh, init_distributed, pick_device
 from fivefold.runtime.metrics import MetricsFile, Progress, StepMeter, summarize
@@ -78,7 +78,8 @@ def build_model_parts(plan: Plan, mesh: Mesh, seed: int, param_dtype: torch.dtyp
     (training on CPU): ZeRO-0 plain dp is left for DDP (train() wraps it after init) and ZeRO-1/2/3 reduce
     asynchronously (runtime/parallelize.py); the dry run keeps the GPU runtime's form."""
     parts = {}
-    moe_mesh = expert_mesh(plan, mesh.device) if plan.ep > 1 else None
+    moe_mesh = mesh.experts
+    moe_tokens = sequence_split(plan, mesh.world) if plan.model.is_moe else None
     dp_mesh = data_parallel_mesh(mesh.world, plan) if plan.dp * plan.cp > 1 else None
     under_ddp = cpu_overlap and uses_ddp(plan, mesh.device)
     for stage in plan.stages_of(mesh.coords["pp"]):
@@ -91,7 +92,8 @@ def build_model_parts(plan: Plan, mesh: Mesh, seed: int, param_dtype: torch.dtyp
         if compile_blocks:
             apply_compile(model)
         if plan.model.is_moe:
-            prepare_moe(model, plan, moe_mesh, param_dtype, under_ddp)  # experts over ep, before dp wraps the blocks
+            # experts over ep x etp, tokens over tp, before dp wraps the blocks
+            prepare_moe(model, plan, moe_mesh, param_dtype, under_ddp, moe_tokens)
         if dp_mesh is not None and not under_ddp:  # summed over dp x cp
             apply_data_parallel(model, dp_mesh, plan.zero, param_dtype, overlap_on_cpu=cpu_overlap)
         model.to_empty(device=mesh.device)

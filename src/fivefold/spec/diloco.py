@@ -101,8 +101,10 @@ def diloco_spec(plan: Plan, groups: int, sync_every: int, outer_lr: float, outer
                 fragments: int, overlap: int, outer_dtype: str) -> DiLoCoSpec:
     """The DiLoCo spec of a run of `plan`, with the plan-dependent checks (the flags alone are checked by
     RunConfig.validate)."""
-    require(plan.ep == 1, "--dp-sync", "diloco", f"runs dense layouts (the plan has ep={plan.ep}: experts are "
-                                                 "sharded over dp ranks that would sit in different outer groups)")
+    folded = plan.model.is_moe and (plan.ep > 1 or plan.etp > 1 or plan.tp > 1)
+    require(not folded, "--dp-sync", "diloco", f"runs MoE plans only with ep = etp = tp = 1 (the plan has ep={plan.ep}, "
+                                               f"etp={plan.etp}, tp={plan.tp}: the experts' data-parallel group would "
+                                               "span the outer groups)")
     return DiLoCoSpec(outer_groups(plan, groups), sync_every, outer_lr, outer_momentum, fragments, overlap,
                       outer_dtype)
 

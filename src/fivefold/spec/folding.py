@@ -37,6 +37,14 @@ if TYPE_CHECKING:
 EXPERT_DIMS = ("pp", "edp", "ep", "etp")  # outermost first, etp innermost
 
 
+def row_major_coords(rank: int, dims: tuple[str, ...], sizes: tuple[int, ...]) -> dict[str, int]:
+    """The coordinates of `rank` on a row-major mesh (last dim innermost): the plan's and the experts' view."""
+    out = {}
+    for dim, size in reversed(list(zip(dims, sizes))):
+        rank, out[dim] = divmod(rank, size)
+    return {dim: out[dim] for dim in dims}
+
+
 def check_folding(model: ModelSpec, tp: int, cp: int, dp: int, ep: int, etp: int) -> None:
     """The folding rule, one line per refusal naming --ep / --etp and what would be valid."""
     stage = tp * cp * dp
@@ -83,10 +91,7 @@ class ExpertRanks:
 
     def expert_coords(self, rank: int) -> dict[str, int]:
         """{'pp': .., 'edp': .., 'ep': .., 'etp': ..} of a global rank."""
-        out = {}
-        for dim, size in reversed(list(zip(EXPERT_DIMS, self.expert_mesh_shape))):
-            rank, out[dim] = divmod(rank, size)
-        return {dim: out[dim] for dim in EXPERT_DIMS}
+        return row_major_coords(rank, EXPERT_DIMS, self.expert_mesh_shape)
 
     def expert_rank_of(self, pp: int = 0, edp: int = 0, ep: int = 0, etp: int = 0) -> int:
         return ((pp * self.edp + edp) * self.ep + ep) * self.etp + etp

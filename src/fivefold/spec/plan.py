@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from fivefold.errors import SpecError, require
 from fivefold.spec.checks import MAX_COUNT, check_table, divisors, is_int
 from fivefold.spec.cluster import ClusterSpec, cluster_from_dict
-from fivefold.spec.folding import ExpertRanks, check_folding
+from fivefold.spec.folding import ExpertRanks, check_folding, row_major_coords
 from fivefold.spec.model import ModelSpec, model_from_dict
 from fivefold.spec.train import TrainSpec, train_from_dict
 from fivefold.spec.units import read_toml_file
@@ -44,22 +44,23 @@ def stage_owners(schedule: str, pp: int, virtual_stages: int) -> tuple[int, ...]
     return tuple(stage_owner(schedule, pp, stage) for stage in range(pp * virtual_stages))
 
 
-def reduced_by_ddp(dp: int, cp: int, tp: int, pp: int, zero: int, ep: int) -> bool:
+def reduced_by_ddp(dp: int, cp: int, tp: int, pp: int, zero: int, ep: int, etp: int = 1) -> bool:
     """Whether fivefold's runtime on CPU reduces this layout's gradients with DistributedDataParallel
     (bucketed, overlapped with backward) instead of FSDP2 / replicate per module: ZeRO-0 over dp x cp without
-    tp or pp, with experts either replicated (ep 1) or each rank's own (ep = dp*cp, no expert replicas).
-    runtime/parallelize.py runs it and cost/host.py costs it, both from this rule."""
+    tp or pp, with experts either replicated (ep = etp = 1) or each rank's own slice (ep x etp = dp*cp, no
+    expert replicas). runtime/parallelize.py runs it and cost/host.py costs it, both from this rule."""
     replicas = dp * cp
-    return replicas > 1 and zero == 0 and tp == pp == 1 and ep in (1, replicas)
+    return replicas > 1 and zero == 0 and tp == pp == 1 and ep * etp in (1, replicas)
 
 
-def reductions_overlap_on_cpu(dp: int, cp: int, tp: int, pp: int, zero: int, ep: int, micro_batches: int) -> bool:
+def reductions_overlap_on_cpu(dp: int, cp: int, tp: int, pp: int, zero: int, ep: int, micro_batches: int,
+                              etp: int = 1) -> bool:
     """Whether fivefold's runtime on CPU reduces this layout's gradients while the backward still computes:
     under DistributedDataParallel (reduced_by_ddp), or through FSDP2 with its asynchronous reduce-scatter
     (runtime/parallelize.py AsyncReduceScatter) when no pipeline defers the reduction and it is the step's
     only one: ZeRO-1, or ZeRO-2/3 with one micro-batch (later micro-batches' reductions add into the
     gradient at once, so they block). cost/step.py costs the reduction overlapped exactly then."""
-    if reduced_by_ddp(dp, cp, tp, pp, zero, ep):
+    if reduced_by_ddp(dp, cp, tp, pp, zero, ep, etp):
         return True
     return dp * cp > 1 and zero >= 1 and pp == 1 and (zero == 1 or micro_batches == 1)
 
@@ -88,10 +89,7 @@ class MeshRanks:
 
     def coords(self, rank: int) -> dict[str, int]:
         """Mesh coordinates of a rank: {'pp': .., 'dp': .., 'cp': .., 'tp': ..}."""
-        out = {}
-        for dim in reversed(MESH_DIMS):
-            rank, out[dim] = divmod(rank, getattr(self, dim))
-        return {dim: out[dim] for dim in MESH_DIMS}
+        return row_major_coords(rank, MESH_DIMS, tuple(getattr(self, dim) for dim in MESH_DIMS))
 
     def rank_of(self, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
         return mesh_rank(self.dp, self.cp, self.tp, pp, dp, cp, tp)
@@ -128,6 +126,17 @@ def default_layers_per_stage(layers: int, stages: int) -> tuple[int, ...]:
     for stage in middle_out[:extra]:
         counts[stage] += 1
     return tuple(counts)
+
+
+def check_stage_layers(layers_per_stage: tuple[int, ...]) -> None:
+    """A stage may hold no transformer layer only when it still holds something: the first stage the
+    embedding, the last one the head (the Zero Bubble and vocabulary-parallel papers' layouts)."""
+    counts = list(layers_per_stage)
+    require(all(n >= 0 for n in counts), "plan.layers_per_stage", counts, "layer counts cannot be negative")
+    empty_middle = [s for s, n in enumerate(counts) if n == 0 and 0 < s < len(counts) - 1]
+    require(not empty_middle, "plan.layers_per_stage", counts,
+            f"stage {empty_middle[0] if empty_middle else 0} would hold nothing: only the first stage (embedding "
+            "alone) or the last (head alone) may have 0 layers")
 
 
 @dataclass(frozen=True)
@@ -267,12 +276,13 @@ class Plan(MeshRanks, ExpertRanks):
                     f"{self.schedule} uses 1; virtual stages need interleaved-1f1b or zbv")
         if self.sequence_parallel:
             require(self.tp > 1, "plan.sequence_parallel", True, "needs tp > 1")
-        require(m.layers >= self.num_stages, "plan.pp", self.pp,
-                f"pp x virtual_stages = {self.num_stages} stages but the model has {m.layers} layers")
+        if not self.layers_per_stage:
+            require(m.layers >= self.num_stages, "plan.pp", self.pp,
+                    f"pp x virtual_stages = {self.num_stages} stages but the model has {m.layers} layers; give "
+                    "--layers-per-stage with 0 for a stage holding only the embedding (first) or the head (last)")
         require(len(self.layers_per_stage) == self.num_stages, "plan.layers_per_stage", list(self.layers_per_stage),
                 f"needs one entry per stage ({self.num_stages} = pp x virtual_stages)")
-        require(all(isinstance(n, int) and n >= 1 for n in self.layers_per_stage), "plan.layers_per_stage",
-                list(self.layers_per_stage), "every stage needs at least one layer")
+        check_stage_layers(self.layers_per_stage)
         require(sum(self.layers_per_stage) == m.layers, "plan.layers_per_stage", list(self.layers_per_stage),
                 f"sums to {sum(self.layers_per_stage)} but model.layers={m.layers}")
         if self.replica_micro_batches:

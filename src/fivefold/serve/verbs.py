@@ -1,0 +1,58 @@
+"""The `generate` and `serve` verbs of the `fivefold` command: their flags and handlers (parsing and printing
+only; imports nothing heavy until a verb runs, so `fivefold --help` stays fast)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+def add_serve_verbs(verb: Callable[..., argparse.ArgumentParser], add_json_flag: Callable[[Any], None],
+                    print_json: Callable[[Any], None]) -> None:
+    """Register both verbs with cli.py's `verb(name, help, handler)`."""
+    from fivefold.flags import add_serve_layout_flags
+    from fivefold.serve.options import add_model_flags
+
+    def cmd_generate(args: argparse.Namespace) -> int:
+        from fivefold.serve.generate import run_generate
+        from fivefold.serve.workers import WorkerDied
+
+        try:
+            summary = run_generate(args)
+        except WorkerDied as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        if args.json:
+            print_json(summary)
+        else:
+            print(f"wrote {summary['requests']} completions ({summary['completion_tokens']} tokens, "
+                  f"{summary['tokens_per_s']:,.1f} tokens/s) to {summary['output']}")
+        return 0
+
+    def cmd_serve(args: argparse.Namespace) -> int:
+        from fivefold.serve.server import run_server
+
+        return run_server(args)
+
+    p = verb("generate", "complete every prompt of a JSON-lines file (continuous batching over tp x pp x replicas)",
+             cmd_generate)
+    add_model_flags(p)
+    add_serve_layout_flags(p)
+    p.add_argument("--input", required=True, help="JSON lines, each {\"prompt\": text} or {\"prompt_ids\": [...]}")
+    p.add_argument("--output", required=True, help="JSON lines: completion_ids, text, finish_reason, timings")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt at most (default: 16)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; a token depends on (seed, line, position)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens even past an end token")
+    add_json_flag(p)
+
+    p = verb("serve", "an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)", cmd_serve)
+    add_model_flags(p)
+    add_serve_layout_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
+    p.add_argument("--max-queue", type=int, default=1024,
+                   help="requests waiting for a slot before new ones get HTTP 429 (default: 1024)")
