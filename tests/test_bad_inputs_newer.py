@@ -172,12 +172,33 @@ SERVING = [
     ("plan --serve --model llama3-8b --cluster 1x8xH100-SXM --replicas 0", "--replicas=0: must be at least 1"),
 ]
 
+# The flags the other new features brought (DiLoCo, optimizer and schedule, job files, generate/serve): the same
+# layers check them (the parser's bound on every number, each verb's stated range).
+NEWER_FLAGS = [
+    ("train --nproc 4 --cluster 1x4xcpu --dp-sync diloco --outer-lr nan", "--outer-lr=nan: must be a finite number"),
+    ("train --nproc 4 --cluster 1x4xcpu --dp-sync diloco --outer-lr 1e9", "--outer-lr=1000000000.0: must be a"),
+    ("train --nproc 4 --cluster 1x4xcpu --dp-sync diloco --outer-momentum 1.5", "--outer-momentum=1.5: must be from"),
+    ("train --nproc 4 --cluster 1x4xcpu --dp-sync diloco --sync-every 0", "--sync-every=0: must be 1 to"),
+    ("train --nproc 4 --cluster 1x4xcpu --sync-every 5", "--sync-every=5: needs --dp-sync diloco"),
+    ("train --nproc 4 --cluster 1x4xcpu --dp-sync diloco --diloco-groups 3 --dp 4", "--diloco-groups=3: must divide"),
+    ("train --nproc 1 --betas 2,0.9", "--betas='2,0.9': must be two numbers in [0, 1)"),
+    ("train --nproc 1 --eps 0", "--eps=0.0: must be a positive finite number"),
+    ("train --nproc 1 --min-lr 1", "--min-lr=1.0: must be a finite number from 0 to --lr"),
+    ("train --nproc 1 --weight-decay inf", "--weight-decay=inf: must be a finite number"),
+    ("train --nproc 1 --config {d}/missing.toml", "--config='{d}/missing.toml': no such file"),
+    ("generate --from-hf {d}/hf_float_count --input {d}/in.jsonl --output {d}/o.jsonl --max-tokens 0",
+     "--max-tokens=0: must be at least 1"),
+    ("generate --from-hf {d}/hf_float_count --input {d}/in.jsonl --output {d}/o.jsonl --temperature nan",
+     "--temperature=nan: must be a finite number"),
+    ("serve --from-hf {d}/hf_float_count --port 99999", "--port=99999: must be in 0..65535"),
+]
+
 SIZES = [
     ("dryrun --model tiny --global-batch 100000 --seq-len 32 --cluster 1x1xcpu", "more than the dry run steps (1,024)"),
     ("simulate --model tiny --global-batch 4000000 --seq-len 32", "more than the simulator replays"),
 ]
 
-CASES = NUMBERS + MODEL + DECIDING_FLAG + USER_FILES + FOREIGN + READ_BACK + SIZES + SERVING
+CASES = NUMBERS + MODEL + DECIDING_FLAG + USER_FILES + FOREIGN + READ_BACK + SIZES + SERVING + NEWER_FLAGS
 
 
 @pytest.mark.parametrize("argv, words", CASES, ids=[argv for argv, _ in CASES])
