@@ -132,6 +132,31 @@ def test_text_prompts_use_the_folders_tokenizer(llama, tmp_path):
     assert second["completion_ids"] == hf_greedy(model, [8, 9], 6) and second["text"] == words(second["completion_ids"])
 
 
+@pytest.mark.parametrize("file, text, expected", [
+    ("tokenizer.json", "[1, 2]", "tokenizer.json='(unreadable)': not a readable tokenizer.json"),
+    ("tokenizer_config.json", "{not json", "tokenizer_config.json='(unparsable)': not valid JSON"),
+    ("tokenizer_config.json", '{"chat_template": 5}', "tokenizer_config.json:chat_template=5: must be a string"),
+    ("tokenizer_config.json", '{"chat_template": [{"name": "default"}]}', "chat_template[]:template=None: required"),
+    ("tokenizer_config.json", '{"eos_token": 7}', "tokenizer_config.json:eos_token=7: must be a string"),
+])
+def test_a_broken_tokenizer_file_is_one_line_naming_the_file_and_key(llama, tmp_path, capsys, file, text, expected):
+    import shutil
+
+    from serve_models import save_tokenizer
+
+    _, folder = llama
+    shutil.copytree(folder, tmp_path / "broken")
+    save_tokenizer(tmp_path / "broken")
+    (tmp_path / "broken" / "chat_template.jinja").unlink(missing_ok=True)
+    (tmp_path / "broken" / file).write_text(text)
+    (tmp_path / "in.jsonl").write_text('{"prompt_ids": [1, 2]}\n')
+    code = main(["generate", "--from-hf", str(tmp_path / "broken"), "--input", str(tmp_path / "in.jsonl"),
+                 "--output", str(tmp_path / "out.jsonl")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 @pytest.mark.parametrize("flags, expected", [
     (["--port", "70000"], "error: --port=70000: must be in 0..65535"),
     (["--max-queue", "0"], "error: --max-queue=0: must be at least 1"),

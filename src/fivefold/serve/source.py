@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fivefold.errors import SpecError
 from fivefold.spec import ModelSpec
+from fivefold.spec.jsonfields import Fields
 
 
 @dataclass(frozen=True)
@@ -82,17 +83,26 @@ class TextCodec:
         from tokenizers import Tokenizer
 
         path = Path(folder)
-        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        config = {}
-        if (path / "tokenizer_config.json").is_file():
-            config = json.loads((path / "tokenizer_config.json").read_text())
-        template = config.get("chat_template")
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as exc:  # the tokenizers library raises its own Exception type for any bad file
+            raise SpecError(str(path / "tokenizer.json"), "(unreadable)",
+                            f"not a readable tokenizer.json ({str(exc)[:80]})") from None
+        config = Fields(_read_json(path / "tokenizer_config.json"), str(path / "tokenizer_config.json"))
+        template = config.data.get("chat_template")
         if (path / "chat_template.jinja").is_file():  # transformers >= 4.43 writes the template here
             template = (path / "chat_template.jinja").read_text()
         if isinstance(template, list):  # several named templates: the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+            named = [Fields(t, f"{config.source}:chat_template[]") for t in template]
+            template = next((t.text("template") for t in named if t.data.get("name") == "default"), None)
+        if template is not None and not isinstance(template, str):
+            raise config.fail("chat_template", template, "must be a string, or a list of {name, template}")
         self.template = template
-        self.special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")}
+        for name in ("bos_token", "eos_token"):
+            value = config.data.get(name)
+            if value is not None and not isinstance(value, (str, dict)):
+                raise config.fail(name, value, "must be a string or an object with a content string")
+        self.special = {name: _token_text(config.data.get(name)) for name in ("bos_token", "eos_token")}
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=special).ids)
@@ -121,6 +131,16 @@ class TextCodec:
         return self.encode(text, special=False)  # the template writes its own special tokens
 
 
+def _read_json(file: Path) -> object:
+    """A JSON file of the model folder, {} when absent; one line when it is not JSON."""
+    if not file.is_file():
+        return {}
+    try:
+        return json.loads(file.read_text())
+    except ValueError as exc:  # also not UTF-8
+        raise SpecError(str(file), "(unparsable)", f"not valid JSON ({str(exc)[:80]})") from None
+
+
 def _token_text(value) -> str:
     if isinstance(value, dict):
         return str(value.get("content", ""))
@@ -134,7 +154,4 @@ def open_codec(source: ModelSource) -> TextCodec | None:
     folder = Path(source.path)
     if not (folder / "tokenizer.json").is_file():
         return None  # (a sentencepiece-only folder: convert it with transformers to get a tokenizer.json)
-    try:
-        return TextCodec(source.path)
-    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for a broken file
-        raise SpecError("--from-hf", source.path, f"its tokenizer cannot be read ({str(exc)[:100]})") from None
+    return TextCodec(source.path)  # every unreadable file is one line naming it (TextCodec)
