@@ -15,6 +15,10 @@ from fivefold.spec import Plan, TrainSpec, parse_cluster, parse_model
 # (no data moves, the clip stops before reading the norm). Measured on these plans: identical bytes on the FSDP
 # rank and on the pp plan's last stage; -0.58% (16 KiB of 2.8 MiB, the real run's p2p traffic) on its first.
 TOLERANCE = 0.02
+# tiny-moe tp2 ep2: fake and real agree to the byte (3,454,052) in most real runs, but about one real run in
+# three (measured here: 1 of 3 whole-file runs, and once in CI) holds one 96 KiB buffer more at its peak
+# (3,552,356 bytes, +2.8%): the real reference's timing, not the dry run's accounting. Bounded just above it.
+TOLERANCE_MOE = 0.03
 
 
 def tiny_plan(**layout) -> Plan:
@@ -47,7 +51,7 @@ def test_moe_dry_run_fixes_balanced_token_splits_and_matches_a_real_cpu_run(caps
     real = measure_real(plan, representative_ranks(plan))
     for one in fake.ranks:
         assert one.measured["peak"] > 0
-        assert abs(one.measured["peak"] / real[one.rank].peak - 1) <= TOLERANCE, (one.rank, real[one.rank].peak)
+        assert abs(one.measured["peak"] / real[one.rank].peak - 1) <= TOLERANCE_MOE, (one.rank, real[one.rank].peak)
     assert main(["dryrun", "--model", "tiny-moe", "--cluster", "1x2xcpu", "--dp", "2", "--ep", "2", "--etp", "1",
                  "--seq-len", "32", "--global-batch", "4"]) == 0
     assert "note: MoE token splits fixed at the balanced expectation" in capsys.readouterr().out
