@@ -42,6 +42,21 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def interrupt(process: subprocess.Popen, ready, signum: int = signal.SIGINT, whole_group: bool = True) -> str:
+    """Wait until `ready()` (or the process ended), send `signum` (to the process group, as a terminal's Ctrl-C
+    does, or to the launcher alone), and return its stderr; the group is killed if it outlives the test."""
+    try:
+        wait_for(lambda: ready() or process.poll() is not None)
+        if whole_group:
+            os.killpg(process.pid, signum)
+        else:
+            process.send_signal(signum)
+        return process.communicate(timeout=120)[1]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
 def lines(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
@@ -54,19 +69,17 @@ def test_interrupted_training_stops_every_worker_and_names_the_newest_checkpoint
     process = start(["train", "--nproc", str(nproc), "--dp", str(nproc), "--steps", "100000", *SMALL,
                      "--checkpoint-dir", "ck", "--checkpoint-every", "1", "--metrics-file", "run/metrics.jsonl"],
                     tmp_path)
-    try:
-        # by step 3, step 1's save is committed (a save first waits for the one before)
-        wait_for(lambda: lines(metrics) >= 3 or process.poll() is not None)
-        workers = read_pids(tmp_path / "run")
-        assert len(workers) == nproc
-        if whole_group:  # Ctrl-C in a terminal: every process of the foreground group gets SIGINT
-            os.killpg(process.pid, signum)
-        else:
-            process.send_signal(signum)
-        out, err = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+    workers: dict = {}
+
+    def saved_once() -> bool:  # by step 3, step 1's save is committed (a save first waits for the one before)
+        if lines(metrics) < 3:
+            return False
+        workers.update(read_pids(tmp_path / "run"))
+        return True
+
+    # whole_group: Ctrl-C in a terminal, every process of the foreground group gets SIGINT
+    err = interrupt(process, saved_once, signum, whole_group)
+    assert len(workers) == nproc
     assert process.returncode == code, err
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
@@ -82,18 +95,13 @@ def test_interrupted_training_stops_every_worker_and_names_the_newest_checkpoint
 
 @pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="inductor needs a C compiler")
 def test_ctrl_c_during_compiled_training_prints_nothing_after_the_line(tmp_path):
-    """inductor's compile pool would leave semaphores that Python's resource tracker warns about after the
-    interrupt line; runtime/parallelize.py apply_compile compiles in-process instead."""
+    """torch.fx's compile progress bar takes tqdm's multiprocessing lock, a semaphore that a stopped worker would
+    leave for Python's resource tracker to warn about after the interrupt line; runtime/parallelize.py
+    apply_compile gives tqdm a thread lock instead."""
     metrics = tmp_path / "run" / "metrics.jsonl"
     process = start(["train", "--nproc", "1", "--steps", "100000", "--compile", *SMALL,
                      "--metrics-file", "run/metrics.jsonl"], tmp_path)
-    try:
-        wait_for(lambda: lines(metrics) >= 2 or process.poll() is not None)
-        os.killpg(process.pid, signal.SIGINT)
-        out, err = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+    err = interrupt(process, lambda: lines(metrics) >= 2)
     assert process.returncode == 130, err
     assert err.strip().splitlines()[-1].startswith("interrupted at step"), err
     assert "Warning" not in err and "leaked" not in err and "Traceback" not in err, err
@@ -101,15 +109,15 @@ def test_ctrl_c_during_compiled_training_prints_nothing_after_the_line(tmp_path)
 
 def test_interrupted_profile_leaves_no_process_and_no_file(tmp_path):
     process = start(["profile", "--quick", "--nproc", "2", "--out", "here.toml"], tmp_path)
-    try:
+    children: list[int] = []
+
+    def measuring() -> bool:
         time.sleep(8)  # past start-up, into the measurements
-        children = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True,
-                                                       text=True).stdout.split()]
-        os.killpg(process.pid, signal.SIGINT)
-        out, err = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+        children.extend(int(pid) for pid in subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True,
+                                                           text=True).stdout.split())
+        return True
+
+    err = interrupt(process, measuring)
     assert process.returncode == 130, err
     assert err.strip().splitlines()[-1].startswith("interrupted") and "Traceback" not in err
     assert not (tmp_path / "here.toml").exists()
