@@ -68,6 +68,10 @@ def test_toml_round_trip(tmp_path):
     text = path.read_text()
     assert text.startswith("# fivefold plan: dp8 tp2 pp2")
     data = tomllib.loads(text)
+    assert "vocab_parallel" not in data["plan"]  # the default is left out of the file
+    vocab = make(dp=4, pp=2, vocab_parallel=True)
+    vocab.save(path)
+    assert load_plan(path) == vocab and vocab.describe().endswith(" vocab-parallel")
     data["plan"]["num_micro_batches"] = 99
     with pytest.raises(SpecError, match="plan.num_micro_batches"):
         plan_from_dict(data)
@@ -96,6 +100,8 @@ def test_uneven_replicas():
     ({"dp": 4, "pp": 2, "schedule": "zbv", "virtual_stages": 3}, "plan.virtual_stages", "exactly 2"),
     ({"dp": 4, "pp": 2, "virtual_stages": 2}, "plan.virtual_stages", "virtual stages need"),
     ({"dp": 8, "sequence_parallel": True}, "plan.sequence_parallel", "needs tp > 1"),
+    ({"dp": 8, "vocab_parallel": True}, "plan.vocab_parallel", "needs pp > 1"),
+    ({"dp": 4, "pp": 2, "vocab_parallel": "yes"}, "plan.vocab_parallel", "true or false"),
     ({"dp": 4, "cp": 2, "ep": 2}, "plan.ep", "needs an MoE model"),
     ({"dp": 8, "placement": (0, 0, 1, 2, 3, 4, 5, 6)}, "plan.placement", "exactly once"),
     ({"dp": 0, "tp": 8}, "plan.dp", "integer >= 1"),

@@ -158,6 +158,7 @@ class Plan(MeshRanks, ExpertRanks):
     layers_per_stage: tuple[int, ...] = ()  # one entry per virtual stage, in model order; () = even
     recompute: str = "none"  # activation recompute: none | selective | full
     sequence_parallel: bool = False  # shard norms/dropout activations over tp (needs tp > 1)
+    vocab_parallel: bool = False  # embedding, output layer and loss split over the pp ranks (needs pp > 1)
     placement: tuple[int, ...] = ()  # rank -> cluster device index; () = identity
     replica_micro_batches: tuple[int, ...] = ()  # micro-batches per dp replica when uneven; () = even
     version: int = PLAN_VERSION  # format version of this record
@@ -207,7 +208,7 @@ class Plan(MeshRanks, ExpertRanks):
         if self.pp > 1:
             text += f" {self.schedule}" + (f"(v{self.virtual_stages})" if self.virtual_stages > 1 else "")
         text += f" zero{self.zero} rc={self.recompute}"
-        return text + (" sp" if self.sequence_parallel else "")
+        return text + (" sp" if self.sequence_parallel else "") + (" vocab-parallel" if self.vocab_parallel else "")
 
     # --- validation ---------------------------------------------------------------------------
     def check_degrees(self) -> None:
@@ -218,8 +219,8 @@ class Plan(MeshRanks, ExpertRanks):
             if dim not in ("zero", "version"):
                 require(value >= 1, f"plan.{dim}", value, "must be an integer >= 1")
                 require(value <= MAX_COUNT, f"plan.{dim}", value, f"must be at most {MAX_COUNT:,}")
-        require(isinstance(self.sequence_parallel, bool), "plan.sequence_parallel", self.sequence_parallel,
-                "must be true or false")
+        for flag in ("sequence_parallel", "vocab_parallel"):
+            require(isinstance(getattr(self, flag), bool), f"plan.{flag}", getattr(self, flag), "must be true or false")
         for name in ("layers_per_stage", "placement", "replica_micro_batches"):
             values = getattr(self, name)
             require(isinstance(values, (list, tuple)), f"plan.{name}", values, "must be a list of integers")
@@ -276,6 +277,8 @@ class Plan(MeshRanks, ExpertRanks):
                     f"{self.schedule} uses 1; virtual stages need interleaved-1f1b or zbv")
         if self.sequence_parallel:
             require(self.tp > 1, "plan.sequence_parallel", True, "needs tp > 1")
+        if self.vocab_parallel:
+            require(self.pp > 1, "plan.vocab_parallel", True, "splits the vocabulary over the pp ranks: needs pp > 1")
         if not self.layers_per_stage:
             require(m.layers >= self.num_stages, "plan.pp", self.pp,
                     f"pp x virtual_stages = {self.num_stages} stages but the model has {m.layers} layers; give "
@@ -313,6 +316,8 @@ class Plan(MeshRanks, ExpertRanks):
             del plan["replica_micro_batches"]
         if plan["placement"] == list(range(self.world_size)):
             del plan["placement"]  # identity, the default
+        if not plan["vocab_parallel"]:
+            del plan["vocab_parallel"]  # the default; plan files written before the field stay identical
         plan["num_micro_batches"] = self.num_micro_batches  # informative; checked on load
         return {"version": self.version, "plan": plan, "model": self.model.to_dict(),
                 "train": self.train.to_dict(), "cluster": self.cluster.to_dict()}
