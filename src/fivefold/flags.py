@@ -57,6 +57,9 @@ def add_layout_flags(parser: argparse.ArgumentParser, for_search: bool = False) 
                        help="activation recompute (default: none)")
     group.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                        help="sequence parallel with tp (default: on when tp > 1)")
+    group.add_argument("--vocab-parallel", action=argparse.BooleanOptionalAction, default=None,
+                       help="embedding, LM head and loss split over the pp ranks (Yeung et al. 2024; needs pp > 1) "
+                            "(default: off)")
     group.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None,
                        help="ZeRO level; 3 = FSDP (default: 0)")
     if not for_search:
@@ -75,7 +78,7 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
 
 
 LAYOUT_FLAGS = ("dp", "tp", "pp", "cp", "cp_method", "ep", "etp", "zero", "micro_batch", "schedule", "virtual_stages",
-                "recompute", "sequence_parallel")
+                "recompute", "sequence_parallel", "vocab_parallel")
 
 
 # The layout flags a re-plan on another world size keeps (elastic/replan.py drops degrees that no longer fit).

@@ -145,9 +145,10 @@ def _sync_bytes(layout: Layout, stack: SoftwareStack) -> tuple[int, int]:
 
 def tied_embedding_seconds(layout: Layout, stack: SoftwareStack, topology: Topology, first_device: int,
                            last_device: int) -> float:
-    """All-reduce of the tied embedding gradient between the first and the last stage (pp > 1)."""
+    """All-reduce of the tied embedding gradient between the first and the last stage (pp > 1); none under
+    vocabulary parallelism, where each rank's embedding and head rows are the same rows (cost/vocab.py)."""
     model = layout.model
-    if not model.tied_embeddings or layout.pp <= 1:
+    if not model.tied_embeddings or layout.pp <= 1 or getattr(layout, "vocab_parallel", False):
         return 0.0
     link = topology.pair_link(first_device, last_device)
     grad_bytes = stack.gradient_bytes(layout.train.dtype)

@@ -199,13 +199,15 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // multiple) * multiple
 
 
-def head_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link: GroupLink) -> PassCost:
+def head_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link: GroupLink,
+              vocab_split: int = 1) -> PassCost:
     """Final norm, LM head GEMM and cross-entropy on the last stage: vocab-parallel, or on the logits
-    gathered whole (stack.tp_gathers_logits)."""
+    gathered whole (stack.tp_gathers_logits). `vocab_split`: the rows are further cut over that many pp
+    ranks (vocabulary parallelism, cost/vocab.py), each running its slice of the GEMM and the loss."""
     m, e, t = shape.model, device.element_bytes, shape.tp
     tokens = shape.micro_batch * shape.seq_len // shape.cp
     norm_tokens = tokens // t if shape.sequence_parallel else tokens
-    vocab = padded_vocab(m.vocab, t) // t
+    vocab = padded_vocab(m.vocab, t * vocab_split) // (t * vocab_split)
     work = PassWork()
     work.elementwise(device, 2 * norm_tokens * m.hidden * e, 3 * norm_tokens * m.hidden * e, 1, 2)
     if tp_link.size > 1 and shape.sequence_parallel:
@@ -225,8 +227,8 @@ def head_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link: 
         forward_bytes, backward_bytes = e + 36, 12 + e
     gathered = tp_link.size > 1 and stack.tp_gathers_logits
     if gathered:  # every TP rank gets the whole logits and runs the loss on all of them (its backward: a slice)
-        work.collective("tp", all_gather_time(tokens * m.vocab * e, tp_link), 0.0)
-    loss_vocab = m.vocab if gathered else vocab
+        work.collective("tp", all_gather_time(tokens * m.vocab / vocab_split * e, tp_link), 0.0)
+    loss_vocab = m.vocab / vocab_split if gathered else vocab
     work.elementwise(device, tokens * loss_vocab * forward_bytes, tokens * loss_vocab * backward_bytes, 18, 8)
     if tp_link.size > 1 and not gathered:
         work.collective("tp", 3 * all_reduce_time(tokens * 4, tp_link), 0.0)  # max, sum, target logit

@@ -20,6 +20,7 @@ from fivefold.cost.layer import ZERO_PASS, LayerShape, PassCost, embedding_cost,
 from fivefold.cost.memory import layer_activation_bytes, layer_transient_bytes
 from fivefold.cost.moe import expert_param_share
 from fivefold.cost.stack import SoftwareStack
+from fivefold.cost.vocab import comm_pass, pp_group_link, vocab_parallel_comm, vocab_share
 from fivefold.spec.plan import MeshRanks, Plan, stage_owners  # noqa: F401 - stage_owners: the cost model's import point
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ class Layout(MeshRanks):
 
     __slots__ = ("model", "cluster", "train", "dp", "tp", "pp", "cp", "cp_method", "ep", "etp", "zero", "micro_batch",
                  "schedule", "virtual_stages", "layers_per_stage", "recompute", "sequence_parallel",
-                 "placement", "num_micro_batches", "replica_micro_batches")
+                 "placement", "num_micro_batches", "replica_micro_batches", "vocab_parallel")
     if TYPE_CHECKING:  # the slots' types (Plan's fields of the same names)
         model: ModelSpec
         cluster: ClusterSpec
@@ -58,11 +59,12 @@ class Layout(MeshRanks):
         placement: tuple[int, ...]  # () = the identity
         num_micro_batches: int
         replica_micro_batches: tuple[int, ...]
+        vocab_parallel: bool
 
 
     def __init__(self, **fields: object) -> None:
         for name in self.__slots__:
-            setattr(self, name, fields[name])
+            setattr(self, name, fields.get(name, False) if name == "vocab_parallel" else fields[name])
 
     @property
     def world_size(self) -> int:
@@ -221,7 +223,8 @@ def layer_costs(layout: Layout, env: RankEnv, stack: SoftwareStack) -> LayerCost
     train = layout.train
     key = (layout.model, train.seq_len, layout.micro_batch, layout.tp, layout.cp, layout.ep, layout.etp,
            layout.sequence_parallel,
-           layout.recompute, train.expert_imbalance, layout.cp_method, stack)
+           layout.recompute, train.expert_imbalance, layout.cp_method, stack,
+           *((layout.pp, layout.dp, layout.placement) if layout.vocab_parallel else ()))
     cached = _LAYER_COSTS_OF_ENV.get(env, key)
     if isinstance(cached, LayerCosts):
         return cached
@@ -234,16 +237,21 @@ def _layer_costs(layout: Layout, env: RankEnv, stack: SoftwareStack) -> LayerCos
                        layout.sequence_parallel, layout.recompute, layout.train.expert_imbalance,
                        cp_method=layout.cp_method, etp=layout.etp)
     device = env.device
+    split = vocab_share(layout.pp, layout.vocab_parallel)
+    pp_link = pp_group_link(layout, topology_of(layout.cluster)) if split > 1 else SELF
     key = (shape, device.spec.name, device.peak, device.fp8_gemm_peak, device.bandwidth, device.element_bytes,
            device.gemm_curve, stack,
-           env.tp, env.cp, env.ep, env.etp)
+           env.tp, env.cp, env.ep, env.etp, split, pp_link)
     cached = _LAYER_CACHE.get(None, key)
     if isinstance(cached, LayerCosts):
         return cached
     dropout = stack.uses_dropout(layout.model)
+    head = head_cost(shape, device, stack, env.tp, split)
+    if split > 1:  # vocabulary parallelism: every pp rank's slice, and its collectives over the pp group
+        head = head + comm_pass(vocab_parallel_comm(layout, pp_link, device.element_bytes))
     return _LAYER_CACHE.put(None, key, LayerCosts(
         layer_cost(shape, device, stack, env.tp, env.cp, env.ep, env.etp), embedding_cost(shape, device, stack, env.tp),
-        head_cost(shape, device, stack, env.tp),
+        head,
         layer_activation_bytes(shape, dropout, stack.attention, device.element_bytes, stack.selective_saves_ops,
                                stack.selective_saves_every_matmul, stack.cp_repeats_kv, stack.cp_ring_backward),
         layer_transient_bytes(shape, dropout, stack.attention, device.element_bytes, stack.cp_repeats_kv,
@@ -261,19 +269,23 @@ _STAGE_PARAMS: IdentityCache[tuple[float, float]] = IdentityCache(20000)  # by m
 
 
 def stage_params(layout: Layout, layers: int, first: bool, last: bool,
-                 holds_embedding: bool = False) -> tuple[float, float]:
+                 holds_embedding: bool = False, vocab_rows: bool = True) -> tuple[float, float]:
     """(dense, expert) parameters one TP rank of a stage holds.
 
     `holds_embedding`: the rank running this (last) stage also runs the first one (zbv puts both ends on
-    rank 0), so a tied LM head can use the embedding matrix itself instead of a copy."""
-    key = (layout.tp, layout.ep, layout.etp, layers, first, last, holds_embedding)
+    rank 0), so a tied LM head can use the embedding matrix itself instead of a copy. Under vocabulary
+    parallelism every rank holds its vocabulary rows once: `vocab_rows` False for its other stages."""
+    split = vocab_share(layout.pp, layout.vocab_parallel)
+    split = -1 if split > 1 and not vocab_rows else split  # -1: vocabulary parallel, rows held by another stage
+    key = (layout.tp, layout.ep, layout.etp, layers, first, last, holds_embedding, split)
     cached = _STAGE_PARAMS.get(layout.model, key)
     if isinstance(cached, tuple):
         return cached
-    return _STAGE_PARAMS.put(layout.model, key, _stage_params(layout, layers, first, last, holds_embedding))
+    return _STAGE_PARAMS.put(layout.model, key, _stage_params(layout, layers, first, last, holds_embedding, split))
 
 
-def _stage_params(layout: Layout, layers: int, first: bool, last: bool, holds_embedding: bool) -> tuple[float, float]:
+def _stage_params(layout: Layout, layers: int, first: bool, last: bool, holds_embedding: bool,
+                  split: int = 1) -> tuple[float, float]:
     m, t = layout.model, layout.tp
     per_layer: float = m.params_per_layer()
     expert = 0.0
@@ -282,6 +294,15 @@ def _stage_params(layout: Layout, layers: int, first: bool, last: bool, holds_em
         expert = layers * all_experts / (layout.ep * layout.etp)  # experts over ep, each split over etp
     dense = layers * per_layer / t
     vocab_rows = padded_vocab(m.vocab, t) * m.hidden / t
+    if split > 1 or split < 0:  # vocabulary parallelism: every rank holds its rows of both ends (once if tied)
+        if split > 1:
+            rows = padded_vocab(m.vocab, t * split) * m.hidden / (t * split)
+            dense += rows * (1 if m.tied_embeddings else 2)
+        if first and m.position == "learned":
+            dense += m.max_seq_len * m.hidden
+        if last:
+            dense += m.hidden if m.norm == "rmsnorm" else 2 * m.hidden
+        return dense, expert
     if first:
         dense += vocab_rows + (m.max_seq_len * m.hidden if m.position == "learned" else 0)
     if last:
@@ -309,7 +330,8 @@ _GROUP_WORK: IdentityCache[GroupWork] = IdentityCache(20000)
 def group_work(layout: Layout, costs: LayerCosts, layers: int, first: bool, last: bool, chunks: int,
                extra_activation: float, extra: PassCost = ZERO_PASS) -> GroupWork:
     """The GroupWork of a rank with `layers` layers in `chunks` stage models, plus `extra` (cached)."""
-    key = (layout.model, layout.tp, layout.ep, layout.etp, layers, first, last, chunks, extra_activation, extra)
+    key = (layout.model, layout.tp, layout.ep, layout.etp, layers, first, last, chunks, extra_activation, extra,
+           layout.vocab_parallel and layout.pp)
     cached = _GROUP_WORK.get(costs, key)
     if isinstance(cached, GroupWork):
         return cached
@@ -317,7 +339,9 @@ def group_work(layout: Layout, costs: LayerCosts, layers: int, first: bool, last
     # One pass over the fields (a miss here is the search's most frequent new cost): layers x layer +
     # chunks x per-chunk + the ends the rank holds + extra.
     # Added in the order of the field-wise sums it replaces, so every float is the same.
-    ends = [part for part, held in ((extra, extra is not ZERO_PASS), (embedding, first), (head, last)) if held]
+    everywhere = layout.vocab_parallel and layout.pp > 1  # vocabulary parallelism: both ends' slices on every rank
+    ends = [part for part, held in ((extra, extra is not ZERO_PASS), (embedding, first or everywhere),
+                                    (head, last or everywhere)) if held]
     values = [a * layers + b * chunks for a, b in zip(layer, per_chunk)]
     for end in ends:
         values = [value + x for value, x in zip(values, end)]

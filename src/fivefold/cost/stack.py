@@ -33,6 +33,9 @@ class Features:
     fp8_all_gather: bool = False  # ZeRO-3 / FSDP gathers the weights already cast to FP8
     gradient_accumulation: bool = True  # several micro-batches per replica without a pipeline
     moe_folding: bool = True  # MoE parallel folding: ep over tp x cp x dp (may span tp) and expert tensor parallel
+    # Embedding, head and loss over the pp ranks (cost/vocab.py): not upstream in Megatron-Core nor TorchTitan.
+    vocab_parallel: bool = False
+    empty_end_stages: bool = True  # a first (last) stage of the embedding (head) alone: Megatron-Core's layout "E|..|L"
     built_on: str = ""  # the pieces, for `estimate --help`
 
     def describe(self) -> str:
@@ -40,6 +43,7 @@ class Features:
                  *([] if self.gradient_accumulation else ["no gradient accumulation without pp"]),
                  f"ZeRO {'/'.join(map(str, self.zero_levels))}",
                  *(["MoE folding (ep over tp x cp x dp, etp)"] if self.moe_folding and "ep" in self.parallelisms else []),
+                 *(["vocabulary parallel"] if self.vocab_parallel else []),
                  f"CP {'/'.join(self.cp_methods)}" if "cp" in self.parallelisms else "no CP",
                  f"recompute {'/'.join(self.recompute)}",
                  ("FP8" + (" (FP8 all-gather)" if self.fp8_all_gather else "")) if self.fp8 else "no FP8"]
@@ -128,7 +132,7 @@ class SoftwareStack:
 STACKS: dict[str, SoftwareStack] = {
     # Everything current software offers somewhere (no single framework): the planner's open-ended view, with
     # no measured rows of its own (error band: credibility.UNMEASURED_BAND); no longer the default.
-    "modern": SoftwareStack(features=Features(fp8=True, fp8_all_gather=True,
+    "modern": SoftwareStack(features=Features(fp8=True, fp8_all_gather=True, vocab_parallel=True,
                                               built_on="any current framework; no measured rows")),
     # Megatron-Core with Transformer Engine as NVIDIA benchmarks it: TP communication overlapped with
     # GEMMs, distributed optimizer with overlapped gradient reduce and parameter gather.
@@ -145,7 +149,7 @@ STACKS: dict[str, SoftwareStack] = {
                                       overlap_param_gather=False, async_p2p=False,
                                       host_seconds_per_kernel=50e-6, host_serialization=0.1,
                                       unfused_cross_entropy=True,
-                                      features=Features(parallelisms=("dp", "tp", "pp"),
+                                      features=Features(parallelisms=("dp", "tp", "pp"), empty_end_stages=False,
                                                         schedules=("1f1b", "interleaved-1f1b"),
                                                         zero_levels=(0, 1), cp_methods=(), fp8=False,
                                                         built_on="Megatron-LM 2022: local DDP, no CP/MoE/FP8")),
@@ -171,8 +175,9 @@ STACKS: dict[str, SoftwareStack] = {
                               pipeline_returns_outputs=False, tp_gathers_logits=True, moe_splits_tokens_over_tp=True,
                               pipeline_defers_grad_sync=True, zero2_reshards_after_backward=True,
                               eager_host_costs=True, features=Features(
+                                  vocab_parallel=True,  # runtime: --vocab-parallel (issue 26)
                                   built_on="FSDP2, DTensor TP, torch.distributed.pipelining, own CP, MoE folding, "
-                                           "eager")),
+                                           "vocabulary parallel, eager")),
     # TorchTitan as benchmarked at the end of 2024 (benchmarks/llama3_h100_202412_torchtitan.md; its
     # schedules: GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble (zb-h1 here); no ZBV yet, and no
     # gradient accumulation without a pipeline): FSDP2 (ZeRO-3, or ZeRO-2 with
@@ -188,7 +193,7 @@ STACKS: dict[str, SoftwareStack] = {
                                 cp_repeats_kv=True, cp_ring_backward=True,
                                 features=Features(parallelisms=("dp", "tp", "pp", "cp"), zero_levels=(0, 2, 3),
                                                   schedules=("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"),
-                                                  gradient_accumulation=False,
+                                                  gradient_accumulation=False, empty_end_stages=False,
                                                   cp_methods=("allgather",), fp8=True, fp8_all_gather=True,
                                                   built_on="FSDP2, DTensor TP, async TP, torch pipelining, "
                                                            "Float8 (torchao), torch.compile")),
@@ -348,6 +353,8 @@ def unsupported_features(stack: SoftwareStack, plan: object) -> list[str]:
     if not features.moe_folding and "ep" in features.parallelisms and (
             etp > 1 or (plan.dp * plan.cp) % ep):  # type: ignore[attr-defined]
         out.append("MoE folding (etp > 1 or ep spanning tp)")
+    if getattr(plan, "vocab_parallel", False) and getattr(plan, "pp", 1) > 1 and not features.vocab_parallel:
+        out.append("vocabulary parallelism")
     return out
 
 

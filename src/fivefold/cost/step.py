@@ -41,7 +41,6 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence
 
-from fivefold.cost.cache import IdentityCache
 from fivefold.cost.comm import GroupLink, Topology, p2p_time, topology_of
 from fivefold.cost.dataparallel import (data_parallel_time, fsdp_host_time, optimizer_host_time, optimizer_time,
                                        parameter_tensors)
@@ -54,8 +53,10 @@ from fivefold.cost.layout import (Layout, LayerCosts, RankEnv, RankGroup, layer_
 from fivefold.cost.memory import RankMemory, in_flight_chunks, zero_model_state_bytes
 from fivefold.cost.moe_breakdown import with_moe_parts
 from fivefold.cost.pipeline import PipelineTime, pipeline_time, walked_pipelines
+from fivefold.cost.pipeline_shape import pipeline_shape
 from fivefold.cost.results import Estimate, Score, StageCost
 from fivefold.cost.stack import DEFAULT_STACK, STACKS, DataParallelSync, SoftwareStack, data_parallel_sync
+from fivefold.cost.vocab import pp_group_link, vocab_parallel_comm
 from fivefold.spec.plan import Plan
 
 
@@ -132,6 +133,9 @@ def estimate_layout(layout: Layout, stack: SoftwareStack, headroom: float = 0.0,
     comm = {kind: m_batches * getattr(slowest, kind) for kind in ("tp_comm", "cp_comm", "ep_comm")}
     recompute = m_batches * slowest.recompute_compute
     host = m_batches * slowest.host_excess
+    if layout.vocab_parallel and p > 1:  # the collectives of vocabulary parallelism, named (cost/vocab.py)
+        comm["vocab_comm"] = m_batches * vocab_parallel_comm(
+            layout, pp_group_link(layout, ranks.topology), ranks.element_bytes).total
     compute = pipe.busy - sum(comm.values()) - recompute - host
     breakdown = {"compute": compute, "recompute": recompute, **comm, "host_overhead": host, "pp_comm": pipe.p2p,
                  "bubble": pipe.bubble, "dp_comm": time.dp_exposed_s, "optimizer": time.optimizer_s}
@@ -170,7 +174,7 @@ def _rank_groups(layout: Layout, stack: SoftwareStack) -> _RankGroups:
         layout.tp if layout.sequence_parallel else 1)  # the embedding output (and dropout mask) fed to layer 1
     owners = stage_owners(layout.schedule, p, layout.virtual_stages)
     block = layout.dp * layout.cp * layout.tp  # ranks per pipeline stage; rank_of(pp=r) = r * block
-    first_ranks, hop_links, shapes = _pipeline_shape(layout, topology, envs, owners, block)
+    first_ranks, hop_links, shapes = pipeline_shape(layout, topology, envs, owners, block)
 
     costs_of: dict[int, LayerCosts] = {}
     ordered = []
@@ -241,6 +245,9 @@ def _memory(layout: Layout, ranks: _RankGroups, headroom: float) -> _Memory:
     copies = stack.loss_fp32_copies + (stack.loss_parallel_fp32_copies if layout.tp > 1 else 0)
     vocab = layout.model.vocab
     vocab_share = vocab if stack.tp_gathers_logits else padded_vocab(vocab, layout.tp) / layout.tp
+    everywhere = layout.vocab_parallel and p > 1  # vocabulary parallelism: a vocab/pp slice on every rank
+    if everywhere:
+        vocab_share /= p
     logits = (4 * copies + e) * tokens * vocab_share
     if stack.pipeline_keeps_outputs and stack.pipeline_returns_outputs and p > 1:  # logits kept to be returned
         logits += (m_batches - 1) * kept_output_bytes(stack, e) * tokens * vocab_share
@@ -248,7 +255,7 @@ def _memory(layout: Layout, ranks: _RankGroups, headroom: float) -> _Memory:
     # holds is that FP8 tensor (fsdp_post_all_gather wraps the gathered bytes), 1 byte per element.
     fp8_gathered = layout.train.dtype == "fp8" and stack.features.fp8_all_gather and layout.zero == 3
     gathered_bytes = 1 if fp8_gathered else e
-    layer_params = sum(stage_params(layout, 1, False, False))
+    layer_params = sum(stage_params(layout, 1, False, False, vocab_rows=False))
     layer_weights = 2 * layer_params * gathered_bytes if layout.zero == 3 else 0.0  # this + next
     if layout.train.dtype == "fp8":  # the computing layer's FP8 weight copy (unless gathered so) and its transpose
         layer_weights += layer_params * (1 if fp8_gathered else 2)
@@ -268,9 +275,9 @@ def _memory(layout: Layout, ranks: _RankGroups, headroom: float) -> _Memory:
         # ZeRO-3 holds the layers being gathered, or, kept gathered between passes, all of the rank's.
         gathered = layer_weights
         if sync.keeps_gathered:  # the blocks at gathered_bytes, the embedding, head and final norm in bf16
-            blocks = sum(stage_params(layout, group.layers, False, False))
+            blocks = sum(stage_params(layout, group.layers, False, False, vocab_rows=False))
             gathered = blocks * gathered_bytes + (group.dense + group.expert - blocks) * e
-        working = costs_of[id(group.env)].transient + gathered + (logits if group.last else 0.0)
+        working = costs_of[id(group.env)].transient + gathered + (logits if group.last or everywhere else 0.0)
         if stack.pipeline_keeps_outputs and p > 1:  # receive buffers: input and output gradient, per micro-batch
             hops = 2 * group.chunks - (1 if group.first else 0) - (1 if group.last else 0)
             working += hops * m_batches * activation_message
@@ -301,58 +308,6 @@ def kept_output_bytes(stack: SoftwareStack, element_bytes: int) -> int:
     return 4 if stack.logits_fp32_output else element_bytes
 
 
-_SHAPES: IdentityCache[PipelineShape] = IdentityCache(8192)
-
-
-class ShapeGroup(NamedTuple):
-    """Pipeline ranks with the same layers, ends of the model, chunks and device: costed once."""
-
-    layers: int
-    first: bool  # holds the first stage (embedding)
-    last: bool  # holds the last stage (LM head)
-    chunks: int  # stage models on each rank
-    env: RankEnv
-    ranks: list[int]  # shared with the cache: never mutate
-
-
-class PipelineShape(NamedTuple):
-    first_ranks: list[int]  # the first device of each pp rank
-    hop_links: list[GroupLink]  # the distinct links between consecutive stages on different ranks
-    groups: list[ShapeGroup]
-
-
-def _pipeline_shape(layout: Layout, topology: Topology, envs: list[RankEnv], owners: Sequence[int],
-                    block: int) -> PipelineShape:
-    """The pipeline's shape (PipelineShape), cached: the planner asks for the same
-    pipeline shape with many micro-batch sizes, ZeRO levels and recompute policies."""
-    p = layout.pp
-    # envs are built for one topology (layout.rank_envs), so they stand for it in the key.
-    key = (layout.schedule, p, layout.virtual_stages, block, layout.placement, layout.layers_per_stage)
-    cached = _SHAPES.get(envs, key)
-    if isinstance(cached, PipelineShape):
-        return cached
-    first_ranks = [layout.placement[r * block] if layout.placement else r * block for r in range(p)]
-    layers_of, chunks_of = [0] * p, [0] * p
-    for owner, layers in zip(owners, layout.layers_per_stage):
-        layers_of[owner] += layers
-        chunks_of[owner] += 1
-    links = {}
-    for index in range(len(owners) - 1):
-        a, b = owners[index], owners[index + 1]
-        if a != b:
-            da, db = first_ranks[a], first_ranks[b]
-            link_key = (topology.node_of[da] == topology.node_of[db], topology.group_of[da], topology.group_of[db])
-            if link_key not in links:
-                links[link_key] = topology.pair_link(da, db)
-    groups: dict[tuple, ShapeGroup] = {}
-    for r in range(p):
-        group_key = (layers_of[r], r == owners[0], r == owners[-1], chunks_of[r], id(envs[r]))
-        if group_key not in groups:
-            groups[group_key] = ShapeGroup(layers_of[r], r == owners[0], r == owners[-1], chunks_of[r], envs[r], [])
-        groups[group_key].ranks.append(r)
-    return _SHAPES.put(envs, key, PipelineShape(first_ranks, list(links.values()), list(groups.values())))
-
-
 def _stage_list(layout: Layout, stack: SoftwareStack, envs: list[RankEnv], costs_of: dict, owners: Sequence[int],
                 first_ranks: list[int], topology: Topology, activation_message: float,
                 embedding_activation: float, replica_shard: int, expert_shard: int,
@@ -361,6 +316,10 @@ def _stage_list(layout: Layout, stack: SoftwareStack, envs: list[RankEnv], costs
     stages = []
     num_stages = len(owners)
     made: dict[tuple, dict] = {}
+    # Vocabulary parallelism: each rank's slices of both ends, spread over its stages (cost/vocab.py).
+    everywhere = layout.vocab_parallel and layout.pp > 1
+    chunks_of = [list(owners).count(r) for r in range(layout.pp)] if everywhere else []
+    first_of_rank = {r: list(owners).index(r) for r in range(layout.pp)} if everywhere else {}
     for index, layers in enumerate(layout.layers_per_stage):
         r = owners[index]
         first, last = index == 0, index == num_stages - 1
@@ -368,19 +327,24 @@ def _stage_list(layout: Layout, stack: SoftwareStack, envs: list[RankEnv], costs
         source = first_ranks[r]
         hop_key = None if target is None else (topology.node_of[source] == topology.node_of[target],
                                                topology.group_of[source], topology.group_of[target])
-        key = (layers, first, last, id(envs[r]), r == owners[0], hop_key)
+        key = (layers, first, last, id(envs[r]), r == owners[0], hop_key,
+               (chunks_of[r], first_of_rank[r] == index) if everywhere else None)
         fields = made.get(key)
         if fields is None:
             layer, embedding, head, activation, _, per_chunk = costs_of[id(envs[r])]
             cost = layer.scaled(layers) + per_chunk
             if not first:
                 cost = cost + split_backward_host(layout, envs[r], stack, layers, 1)
-            if first:
-                cost = cost + embedding
-            if last:
-                cost = cost + head
+            if everywhere:
+                cost = cost + (embedding + head).scaled(1 / chunks_of[r])
+            else:
+                if first:
+                    cost = cost + embedding
+                if last:
+                    cost = cost + head
             send = 0.0 if target is None else p2p_time(activation_message, topology.pair_link(source, target))
-            dense, expert = stage_params(layout, layers, first, last, holds_embedding=r == owners[0])
+            dense, expert = stage_params(layout, layers, first, last, holds_embedding=r == owners[0],
+                                         vocab_rows=not everywhere or first_of_rank[r] == index)
             static = sum(zero_model_state_bytes(dense, layout.train.dtype, layout.zero, replica_shard,
                                                 grads_sharded, unsharded_grad_bytes)) + sum(
                 zero_model_state_bytes(expert, layout.train.dtype, layout.zero, expert_shard, grads_sharded,

@@ -10,8 +10,10 @@ if TYPE_CHECKING:
     from fivefold.planner.candidates import Candidate
 
 
-FIELDS = ("dp", "tp", "pp", "cp", "ep", "micro_batch", "schedule", "zero", "recompute", "sequence_parallel")
-LABELS = {"micro_batch": "micro-batch", "sequence_parallel": "sequence parallel"}
+FIELDS = ("dp", "tp", "pp", "cp", "ep", "micro_batch", "schedule", "zero", "recompute", "sequence_parallel",
+          "vocab_parallel")
+LABELS = {"micro_batch": "micro-batch", "sequence_parallel": "sequence parallel",
+          "vocab_parallel": "vocabulary parallel"}
 
 # What a smaller value of each step-time component means, in words.
 EFFECTS = {
@@ -25,12 +27,13 @@ EFFECTS = {
     "compute": "runs its kernels more efficiently",
     "host_overhead": "waits less on kernel launches",
     "optimizer": "spends less in the optimizer step",
+    "vocab_comm": "spends less on vocabulary-parallel collectives",
 }
 
 
 def _value(plan, name: str) -> str:
     value = getattr(plan, name)
-    if name == "sequence_parallel":
+    if name in ("sequence_parallel", "vocab_parallel"):
         return "on" if value else "off"
     if name == "schedule" and plan.virtual_stages > 1:
         return f"{value}(v{plan.virtual_stages})"
@@ -66,7 +69,7 @@ def explain_difference(best: Candidate, other: Candidate) -> str:
     changes = " ".join(f"{LABELS.get(name, name)}={_value(best.plan, name)}" for name in differs)
     against = " ".join(f"{LABELS.get(name, name)}={_value(other.plan, name)}" for name in differs)
     subject = f"{changes} instead of {against}" if differs else "a different split of the layers"
-    reasons = _savings(a, b)
+    reasons = _vocab_reason(best, other) + _savings(a, b)
     memory = a.memory.total - b.memory.total
     if abs(memory) >= 0.05 * GIB:
         reasons.append(f"costs {memory / GIB:.1f} GiB more per GPU" if memory > 0
@@ -79,6 +82,30 @@ def explain_difference(best: Candidate, other: Candidate) -> str:
     else:
         verdict = f"{-faster:.1%} slower but simpler (the planner asks 0.2% per extra moving part)"
     return f"{subject}: " + (" and ".join(reasons) + "; " if reasons else "") + verdict
+
+
+def _vocab_reason(best: Candidate, other: Candidate) -> list[str]:
+    """Why vocabulary parallelism wins: the LM head and loss dominate the last stage without it."""
+    if not best.plan.vocab_parallel or other.plan.vocab_parallel or not other.estimate.stage_costs:
+        return []
+    stages = other.estimate.stage_costs
+    work = [s.forward + s.backward_input + s.backward_weight for s in stages]
+    middle = sorted(work)[len(work) // 2]
+    if work[-1] <= middle:
+        return []
+    evened = max(s.forward + s.backward_input + s.backward_weight for s in best.estimate.stage_costs)
+    return [f"the LM head and loss make the last stage {work[-1] / middle - 1:.0%} heavier than the median stage "
+            f"({_seconds(work[-1])} vs {_seconds(middle)} per micro-batch); split over the pp ranks the busiest "
+            f"stage takes {_seconds(evened)}"]
+
+
+def explain_vocab_parallel(best: Candidate, without: Candidate) -> str:
+    """Why the winner splits the vocabulary over the pp ranks, against `without`: the same plan without it
+    (its layers balanced the planner's way), e.g. "vocabulary parallel: the LM head and loss make the last
+    stage 52% heavier than the median stage (...); 23.1% faster than without it"."""
+    reasons = _vocab_reason(best, without) or ["the LM head and loss are split over the pp ranks"]
+    faster = without.estimate.step_time_s / best.estimate.step_time_s - 1
+    return f"vocabulary parallel: {reasons[0]}; {faster:.1%} faster than without it"
 
 
 # --- mixed clusters ----------------------------------------------------------------------------------

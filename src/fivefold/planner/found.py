@@ -27,12 +27,13 @@ class _Found:
     replica_micro_batches: tuple[int, ...] = field(compare=False, default=())  # () = even
     cp_method: str = field(compare=False, default="allgather")
     etp: int = field(compare=False, default=1)  # expert tensor parallel (MoE parallel folding)
+    vocab_parallel: bool = field(compare=False, default=False)  # embedding, head and loss over the pp ranks
 
 
 def _found(score: Score, signature: tuple, variant: tuple[str, int], sequence_parallel: bool,
            layout: Layout, option: PlacementOption | None) -> _Found:
     dp, tp, pp, cp, ep, micro_batch, schedule, virtual = signature
-    parts = (cp > 1) + (ep > 1) + (pp > 1) + (virtual > 1) + variant[1] + (variant[0] == "full")
+    parts = (cp > 1) + (ep > 1) + (pp > 1) + (virtual > 1) + variant[1] + (variant[0] == "full") + layout.vocab_parallel
     return _Found(score.step_time_s * (1 + SIMPLICITY_MARGIN * parts), score.step_time_s, signature, variant[0],
                   variant[1], sequence_parallel, layout.layers_per_stage, option, layout.replica_micro_batches,
-                  layout.cp_method, layout.etp)
+                  layout.cp_method, layout.etp, layout.vocab_parallel)

@@ -15,6 +15,7 @@ BREAKDOWN_LABELS = {
     "compute": "compute (GEMMs, attention, element-wise)", "recompute": "activation recompute",
     "tp_comm": "tensor-parallel communication", "cp_comm": "context-parallel communication",
     "ep_comm": "expert-parallel all-to-all", "host_overhead": "waiting on kernel launches (CPU)",
+    "vocab_comm": "vocabulary-parallel collectives (pp group)",
     "pp_comm": "pipeline transfers (fill/drain)", "bubble": "pipeline bubble",
     "dp_comm": "data-parallel / ZeRO communication (exposed)", "optimizer": "optimizer step",
     "moe_router": "MoE router (GEMM, fp32 softmax / top-k)", "moe_permute": "MoE token permute / unpermute",

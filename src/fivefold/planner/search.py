@@ -37,7 +37,8 @@ from fivefold.planner.mixed import (REPLICAS, STAGES, PlacementOption, fit_memor
                                     replica_shares, roomier, speed_balanced_layers, work_bound)
 from fivefold.planner.space import (Choices, balanced_layers, check_stack_choices, cp_method_options, degree_options,
                                     etp_options, fixed_text, micro_batch_options, recompute_options, schedule_bound,
-                                    schedule_options, sequence_parallel_option, useful_cp_methods, zero_options)
+                                    schedule_options, sequence_parallel_option, useful_cp_methods,
+                                    vocab_parallel_options, zero_options)
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.plan import Plan, default_layers_per_stage, stage_owners
@@ -54,7 +55,7 @@ class _Context:
         self.stack, self.headroom, self.cost, self.threshold = stack, headroom, cost, threshold
         self.mixed = is_mixed(cluster)
         self.cp_method = "allgather"  # the context-parallel method of the degrees being searched
-        self.etp = 1  # the expert tensor-parallel degree of the degrees being searched
+        self.etp, self.vocab_parallel = 1, False  # expert tensor parallel, vocabulary parallel being searched
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Choices | None = None,
@@ -110,14 +111,17 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
             micro_batches = train.global_batch // (dp * micro_batch)
             schedules = schedule_options(model, pp, micro_batches, choices, stack)
             family = len(schedules) * len(recomputes) * len(zeros) * len(options)
-            examined += family
+            ctx.vocab_parallel = False
             base = _layout(ctx, (dp, tp, pp, cp, ep, micro_batch, "1f1b", 1), (1,) * pp, "none",
                            sequence_parallel, zeros[0])
             bound, sums = _family_bound(ctx, base, micro_batches)
             if bound >= threshold():
+                examined += family
                 continue
+            vocab_options = vocab_parallel_options(pp, choices, stack, _head_share(ctx, base))
+            examined += family * len(vocab_options)
             none_can_fit = True
-            for schedule, virtual in schedules:
+            for (schedule, virtual), ctx.vocab_parallel in itertools.product(schedules, vocab_options):
                 if schedule_bound(schedule, pp, virtual, micro_batches, sums) >= threshold():
                     none_can_fit = False  # not known; a bound is no reason to stop growing the micro-batch
                     continue
@@ -136,9 +140,12 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
     candidates = [Candidate(plan, estimate(plan, stack, headroom)) for plan in
                   (_plan(ctx, found) for found in ranked)]
     from fivefold.planner.diloco import best_diloco  # DiLoCo across the link between a cluster's groups
-    from fivefold.planner.explain import explain_difference, explain_placement
+    from fivefold.planner.explain import explain_difference, explain_placement, explain_vocab_parallel
     explanation = explain_difference(candidates[0], candidates[1]) if len(candidates) > 1 else "only one plan fits"
     ctx.cp_method, ctx.etp = ranked[0].cp_method, ranked[0].etp  # the alternatives keep the winner's
+    if ranked[0].vocab_parallel and ctx.choices.vocab_parallel is None:
+        explanation += "; " + explain_vocab_parallel(candidates[0], _without_vocab_parallel(ctx, ranked[0]))
+    ctx.vocab_parallel = ranked[0].vocab_parallel
     placement = explain_placement(candidates[0], *_alternatives(ctx, ranked[0])) if ctx.mixed else []
     return SearchResult(candidates[:top], examined, costed, time.perf_counter() - started, explanation,
                         placement=placement, diloco=best_diloco(model, cluster, train, candidates[0].estimate.step_time_s,
@@ -157,6 +164,19 @@ def _family_bound(ctx: _Context, base: Layout, micro_batches: int) -> tuple[floa
     sums = [ctx.model.layers * getattr(layer, part) + getattr(embedding, part) + getattr(head, part)
             for part in ("forward", "backward_input", "backward_weight")]
     return micro_batches * ctx.model.layers / base.pp * per_layer, sums
+
+
+def _without_vocab_parallel(ctx: _Context, found: _Found) -> Candidate:
+    """The found plan without vocabulary parallelism, its layers split as the planner splits them then."""
+    ctx.vocab_parallel = False
+    split = _split(ctx, found.signature, found.sequence_parallel, found.recompute, found.option)
+    plan = _plan(ctx, found, vocab_parallel=False, **({"layers_per_stage": split[0]} if split else {}))
+    return Candidate(plan, estimate(plan, ctx.stack, ctx.headroom))
+
+
+def _head_share(ctx: _Context, base: Layout) -> float:  # the LM head's work over one stage's layers' (one micro-batch)
+    layer, _, head = layer_work(base, ctx.stack)
+    return sum(head[:3]) * base.pp / (ctx.model.layers * sum(layer[:3]))
 
 
 def _best_placement(ctx: _Context, signature: tuple, sequence_parallel: bool, recomputes: list[str],
@@ -284,7 +304,10 @@ def _split(ctx: _Context, signature: tuple, sequence_parallel: bool, rc: str,
     per_layer = layer.forward + layer.backward_input + layer.backward_weight + layer.recompute
     first = (embedding.forward + embedding.backward_input + embedding.backward_weight) / per_layer
     last = (head.forward + head.backward_input + head.backward_weight) / per_layer
-    layers = balanced_layers(model.layers, stages, round(first, 2), round(last, 2), stage_owners(schedule, pp, virtual))
+    if ctx.vocab_parallel:  # every rank runs its slice of both ends: they weigh on no stage in particular
+        first = last = 0.0
+    layers = balanced_layers(model.layers, stages, round(first, 2), round(last, 2), stage_owners(schedule, pp, virtual),
+                             empty_ends=ctx.stack.features.empty_end_stages)
     return None if layers is None else (layers, replicas)
 
 
@@ -298,7 +321,8 @@ def _layout(ctx: _Context, signature: tuple, layers_per_stage: tuple[int, ...], 
                     virtual_stages=virtual,
                     layers_per_stage=tuple(layers_per_stage), recompute=recompute,
                     sequence_parallel=sequence_parallel, placement=option.devices if option is not None else (),
-                    num_micro_batches=ctx.train.global_batch // (dp * micro_batch), replica_micro_batches=replicas)
+                    num_micro_batches=ctx.train.global_batch // (dp * micro_batch), replica_micro_batches=replicas,
+                    vocab_parallel=ctx.vocab_parallel)
     if replicas:
         layout.num_micro_batches = replicas[pacing_replica(layout)]  # as Layout.of_plan does
     return layout
@@ -309,7 +333,7 @@ def _plan(ctx: _Context, found: _Found, **changes: object) -> Plan:
     fields = dict(dp=dp, tp=tp, pp=pp, cp=cp, cp_method=found.cp_method, ep=ep, etp=found.etp, zero=found.zero,
                   micro_batch=micro_batch, schedule=schedule,
                   virtual_stages=virtual, layers_per_stage=found.layers_per_stage, recompute=found.recompute,
-                  sequence_parallel=found.sequence_parallel,
+                  sequence_parallel=found.sequence_parallel, vocab_parallel=found.vocab_parallel,
                   placement=found.option.devices if found.option is not None else (),
                   replica_micro_batches=found.replica_micro_batches)
     return Plan(model=ctx.model, cluster=ctx.cluster, train=ctx.train, **{**fields, **changes})

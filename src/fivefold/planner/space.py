@@ -44,6 +44,7 @@ class Choices:
     virtual_stages: int | None = None
     recompute: str | None = None
     sequence_parallel: bool | None = None
+    vocab_parallel: bool | None = None  # embedding, head and loss over the pp ranks (cost/vocab.py)
     zero: int | None = None
     layers_per_stage: tuple[int, ...] | None = None
     cp_method: str | None = None
@@ -80,6 +81,24 @@ def check_stack_choices(stack: SoftwareStack, choices: Choices, train: TrainSpec
         raise SpecError("--recompute", choices.recompute, f"not in the {stack.name} stack; {can}")
     if train.dtype == "fp8" and not features.fp8:
         raise SpecError("--dtype", "fp8", f"the {stack.name} stack has no FP8 training; {can}")
+    if choices.vocab_parallel and not features.vocab_parallel:
+        raise SpecError("--vocab-parallel", True, f"the {stack.name} stack has no vocabulary parallelism; {can}")
+
+
+# Vocabulary parallelism is searched only where the LM head (GEMM and loss, one micro-batch) is at least this
+# share of one stage's layer work: it can gain at most the head's share of the last stage, and below a
+# quarter of a stage the collectives it adds over the pp group eat most of that (cost/vocab.py).
+VOCAB_PARALLEL_HEAD_SHARE = 0.25
+
+
+def vocab_parallel_options(pp: int, choices: Choices, stack: SoftwareStack, head_share: float) -> list[bool]:
+    """Whether to try vocabulary parallelism for one (degrees, micro-batch): as fixed, else off, and also on
+    when the stack runs it and the head is `head_share` >= VOCAB_PARALLEL_HEAD_SHARE of a stage's layers."""
+    if pp <= 1:
+        return [False]
+    if choices.vocab_parallel is not None:
+        return [choices.vocab_parallel]
+    return [False, True] if stack.features.vocab_parallel and head_share >= VOCAB_PARALLEL_HEAD_SHARE else [False]
 
 
 def degree_options(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
@@ -201,7 +220,8 @@ def sequence_parallel_option(tp: int, choices: Choices) -> bool:
 def balanced_layers(layers: int, stages: int, first_extra: float, last_extra: float,
                     owners: list[int] | tuple[int, ...] | None = None,
                     layer_time: list[float] | tuple[float, ...] | None = None,
-                    max_layers: list[int] | tuple[int, ...] | None = None) -> tuple[int, ...] | None:
+                    max_layers: list[int] | tuple[int, ...] | None = None,
+                    empty_ends: bool = False) -> tuple[int, ...] | None:
     """Split `layers` over `stages` so the busiest pipeline rank is as little busy as possible.
 
     The first stage also runs the embedding and the last the LM head; their cost is given in the units
@@ -209,28 +229,34 @@ def balanced_layers(layers: int, stages: int, first_extra: float, last_extra: fl
     rank running stage i (default: stage i on rank i); with interleaved or V schedules a rank runs several
     stages, and it is the rank's sum that matters. `layer_time[r]` is one layer's time on rank r (default
     1 each): on a mixed cluster a faster device gets more layers (Metis-style). `max_layers[r]` caps the
-    layers rank r can hold in memory. Every stage keeps at least one layer; None when the caps leave no
-    room. Greedy water-filling: each layer goes to the rank where it would finish first (ties to the
+    layers rank r can hold in memory. Every stage keeps at least one layer (`empty_ends`: but the first and the
+    last, which may hold the embedding alone or the head alone when their extra outweighs a layer); None when
+    the caps leave no room. Greedy water-filling: each layer goes to the rank where it would finish first (ties to the
     middle of the pipeline), onto its stage with the fewest layers; for identical layers this minimises
     the busiest rank's time.
     """
     return _balanced(layers, stages, first_extra, last_extra, tuple(owners) if owners is not None else None,
                      tuple(layer_time) if layer_time is not None else None,
-                     tuple(max_layers) if max_layers is not None else None)
+                     tuple(max_layers) if max_layers is not None else None, empty_ends and stages > 1)
 
 
 @functools.lru_cache(maxsize=65536)
 def _balanced(layers: int, stages: int, first_extra: float, last_extra: float, owners: tuple[int, ...] | None,
-              layer_time: tuple[float, ...] | None, max_layers: tuple[int, ...] | None) -> tuple[int, ...] | None:
+              layer_time: tuple[float, ...] | None, max_layers: tuple[int, ...] | None,
+              empty_ends: bool = False) -> tuple[int, ...] | None:
     owners = owners if owners is not None else tuple(range(stages))
     ranks = max(owners) + 1
     cost = layer_time or (1.0,) * ranks
-    counts = [1] * stages
+    # An end whose extra outweighs a layer starts empty (its layer, if it earns one, comes from the filling).
+    empty = {index for index, extra in ((0, first_extra), (stages - 1, last_extra))
+             if empty_ends and extra >= cost[owners[index]]}
+    counts = [0 if stage in empty else 1 for stage in range(stages)]
     held = [0] * ranks
     busy = [0.0] * ranks
-    for rank in owners:
-        busy[rank] += cost[rank]
-        held[rank] += 1
+    for stage, rank in enumerate(owners):
+        if stage not in empty:
+            busy[rank] += cost[rank]
+            held[rank] += 1
     if max_layers is not None and any(held[r] > max_layers[r] for r in range(ranks)):
         return None
     busy[owners[0]] += first_extra
@@ -242,12 +268,14 @@ def _balanced(layers: int, stages: int, first_extra: float, last_extra: float, o
     heap = [(busy[r] + cost[r], abs(r - middle), r) for r in range(ranks)
             if max_layers is None or held[r] < max_layers[r]]
     heapq.heapify(heap)
-    for _ in range(layers - stages):
+    for _ in range(layers - sum(counts)):
         if not heap:
             return None
         _, distance, rank = heapq.heappop(heap)
         mine = stages_of[rank]
-        stage = mine[0] if len(mine) == 1 else min(mine, key=counts.__getitem__)  # fewest layers, first of ties
+        # fewest layers, first of ties; an empty end only when the rank has no other stage
+        stage = mine[0] if len(mine) == 1 else min([s for s in mine if s not in empty] or mine,
+                                                   key=counts.__getitem__)
         counts[stage] += 1
         held[rank] += 1
         busy[rank] += cost[rank]

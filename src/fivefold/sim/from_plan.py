@@ -84,10 +84,12 @@ def _collectives(plan: Plan, stack: Any) -> tuple[list[tuple[float, float]], flo
     envs = rank_envs(layout, topology)
     first_owner = plan.stage_owner(0)
     out = []
+    owners = [plan.stage_owner(index) for index in range(plan.num_stages)]
     for index, layers in enumerate(plan.layers_per_stage):
-        pp_rank = plan.stage_owner(index)
+        pp_rank = owners[index]
+        # (vocabulary parallel: a rank's rows of both ends counted once, with its first stage)
         dense, expert = stage_params(layout, layers, index == 0, index == plan.num_stages - 1,
-                                     holds_embedding=pp_rank == first_owner)
+                                     holds_embedding=pp_rank == first_owner, vocab_rows=owners.index(pp_rank) == index)
         out.append(sync_seconds(layout, stack, envs[pp_rank], dense, expert))
     last_owner = plan.stage_owner(plan.num_stages - 1)
     devices = plan.placement or range(plan.world_size)

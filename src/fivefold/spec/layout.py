@@ -28,10 +28,11 @@ def layout_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, dp:
                 ep: int | None = None, etp: int | None = None,
                 zero: int | None = None, micro_batch: int | None = None, schedule: str | None = None,
                 virtual_stages: int | None = None, layers_per_stage: tuple[int, ...] | None = None,
-                recompute: str | None = None, sequence_parallel: bool | None = None) -> Plan:
+                recompute: str | None = None, sequence_parallel: bool | None = None,
+                vocab_parallel: bool | None = None) -> Plan:
     """The Plan these choices describe: tp, pp, cp, ep 1; dp the rest of the cluster; zero 0; micro-batch 1;
     1F1B (zbv: 2 virtual stages); even layers; no recompute; sequence parallel when tp > 1; all-gather CP;
-    etp 1 (experts whole)."""
+    etp 1 (experts whole); no vocabulary parallelism."""
     for flag, value in (("--tp", tp), ("--pp", pp), ("--cp", cp), ("--ep", ep), ("--etp", etp),
                         ("--micro-batch", micro_batch),
                         ("--virtual-stages", virtual_stages)):
@@ -49,4 +50,5 @@ def layout_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, dp:
                 cp_method=cp_method or "allgather", ep=ep, etp=etp or 1, zero=zero or 0,
                 micro_batch=micro_batch or 1, schedule=schedule, virtual_stages=virtual,
                 layers_per_stage=layers_per_stage or (), recompute=recompute or "none",
-                sequence_parallel=sequence_parallel if sequence_parallel is not None else tp > 1)
+                sequence_parallel=sequence_parallel if sequence_parallel is not None else tp > 1,
+                vocab_parallel=bool(vocab_parallel))
