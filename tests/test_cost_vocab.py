@@ -174,8 +174,10 @@ def test_planner_gives_the_head_its_own_stage_where_the_stack_can() -> None:
     model, cluster = PRESETS["llama3-8b"], parse_cluster("4x8xH100-SXM")
     train, fixed = TrainSpec(seq_len=4096, global_batch=32), Choices(pp=32, dp=1, tp=1, schedule="1f1b", micro_batch=1)
     core = STACKS["megatron-core"]
-    alone = search(model, cluster, train, fixed, top=1, stack=core).candidates[0]
+    found = search(model, cluster, train, fixed, top=1, stack=core)
+    alone = found.candidates[0]
     assert alone.plan.layers_per_stage[-1] == 0 and not alone.plan.vocab_parallel  # the head alone: "..|L"
+    assert "the LM head and loss alone on the last stage (" in found.explanation  # ... ms, N layers' worth)
     cannot = dataclasses.replace(core, features=dataclasses.replace(core.features, empty_end_stages=False))
     kept = search(model, cluster, train, fixed, top=1, stack=cannot).candidates[0]
     assert min(kept.plan.layers_per_stage) == 1  # a stack not known to run an empty stage: every stage keeps one

@@ -108,6 +108,21 @@ def explain_vocab_parallel(best: Candidate, without: Candidate) -> str:
     return f"vocabulary parallel: {reasons[0]}; {faster:.1%} faster than without it"
 
 
+def explain_empty_ends(best: Candidate) -> str:
+    """Why a balanced split left an end stage without a layer: its embedding or head outweighs a layer. Empty
+    when both ends hold layers."""
+    plan, stages = best.plan, best.estimate.stage_costs
+    work = [s.forward + s.backward_input + s.backward_weight for s in stages]
+    full = [w / s.layers for w, s in zip(work, stages) if s.layers > 0]
+    if not stages or not full or min(plan.layers_per_stage[0], plan.layers_per_stage[-1]) > 0:
+        return ""
+    per_layer = min(full)
+    ends = [(name, w) for name, w, layers in (("embedding", work[0], plan.layers_per_stage[0]),
+                                              ("LM head and loss", work[-1], plan.layers_per_stage[-1])) if layers == 0]
+    return "; ".join(f"the {name} alone on the {'first' if name == 'embedding' else 'last'} stage ({_seconds(w)} per "
+                     f"micro-batch, {w / per_layer:.1f} layers' worth)" for name, w in ends)
+
+
 # --- mixed clusters ----------------------------------------------------------------------------------
 
 def _ranges(numbers: list[int]) -> str:

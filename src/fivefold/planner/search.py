@@ -140,12 +140,13 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, choices: Ch
     candidates = [Candidate(plan, estimate(plan, stack, headroom)) for plan in
                   (_plan(ctx, found) for found in ranked)]
     from fivefold.planner.diloco import best_diloco  # DiLoCo across the link between a cluster's groups
-    from fivefold.planner.explain import explain_difference, explain_placement, explain_vocab_parallel
+    from fivefold.planner.explain import explain_difference, explain_empty_ends, explain_placement, explain_vocab_parallel
     explanation = explain_difference(candidates[0], candidates[1]) if len(candidates) > 1 else "only one plan fits"
     ctx.cp_method, ctx.etp = ranked[0].cp_method, ranked[0].etp  # the alternatives keep the winner's
     if ranked[0].vocab_parallel and ctx.choices.vocab_parallel is None:
         explanation += "; " + explain_vocab_parallel(candidates[0], _without_vocab_parallel(ctx, ranked[0]))
-    ctx.vocab_parallel = ranked[0].vocab_parallel
+    ctx.vocab_parallel, empty = ranked[0].vocab_parallel, explain_empty_ends(candidates[0])
+    explanation += f"; {empty}" * bool(empty)
     placement = explain_placement(candidates[0], *_alternatives(ctx, ranked[0])) if ctx.mixed else []
     return SearchResult(candidates[:top], examined, costed, time.perf_counter() - started, explanation,
                         placement=placement, diloco=best_diloco(model, cluster, train, candidates[0].estimate.step_time_s,
@@ -166,8 +167,7 @@ def _family_bound(ctx: _Context, base: Layout, micro_batches: int) -> tuple[floa
     return micro_batches * ctx.model.layers / base.pp * per_layer, sums
 
 
-def _without_vocab_parallel(ctx: _Context, found: _Found) -> Candidate:
-    """The found plan without vocabulary parallelism, its layers split as the planner splits them then."""
+def _without_vocab_parallel(ctx: _Context, found: _Found) -> Candidate:  # its layers split as then planned
     ctx.vocab_parallel = False
     split = _split(ctx, found.signature, found.sequence_parallel, found.recompute, found.option)
     plan = _plan(ctx, found, vocab_parallel=False, **({"layers_per_stage": split[0]} if split else {}))
