@@ -182,3 +182,15 @@ def test_planner_gives_the_head_its_own_stage_where_the_stack_can() -> None:
     kept = search(model, cluster, train, fixed, top=1, stack=cannot).candidates[0]
     assert min(kept.plan.layers_per_stage) == 1  # a stack not known to run an empty stage: every stage keeps one
     assert alone.estimate.step_time_s < estimate(kept.plan, core).step_time_s
+
+
+def test_explanations_read_a_breakdown_without_the_vocab_term() -> None:
+    from fivefold.planner import Candidate
+    from fivefold.planner.explain import explain_difference, explain_vocab_parallel
+
+    plain, split = (_plan(vocab_parallel=v, layers_per_stage=(2, 2, 2, 2)) for v in (False, True))
+    a, b = Candidate(plain, estimate(plain, FIVEFOLD)), Candidate(split, estimate(split, FIVEFOLD))
+    text = explain_difference(a, b)  # the plan without it against one with it: no vocab_comm on one side
+    assert text.startswith("vocabulary parallel=off instead of vocabulary parallel=on")
+    assert "spends less on vocabulary-parallel collectives (" in text and "-> 0.00 ms per step" in text
+    assert explain_vocab_parallel(b, a).startswith("vocabulary parallel: ")

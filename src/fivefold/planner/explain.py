@@ -56,7 +56,7 @@ def _savings(a, b) -> list[str]:
         if kind == "bubble":
             detail = f"{b.bubble_fraction:.1%} -> {a.bubble_fraction:.1%} of the step"
         else:
-            detail = f"{_seconds(b.breakdown_s[kind])} -> {_seconds(a.breakdown_s[kind])} per step"
+            detail = f"{_seconds(b.breakdown_s[kind])} -> {_seconds(a.breakdown_s.get(kind, 0.0))} per step"
         reasons.append(f"{EFFECTS[kind]} ({detail})")
     return reasons
 
