@@ -15,6 +15,7 @@ from fivefold.cost.layout import Layout, layer_costs, rank_envs, stage_params
 from fivefold.cost.vocab import broadcast_time, pp_group_link, vocab_parallel_comm
 from fivefold.errors import SpecError
 from fivefold.planner import Choices, search
+from fivefold.sim.engine import VOCAB_COLLECTIVES
 from fivefold.sim.from_plan import simulate_plan
 from fivefold.spec import PRESETS, ModelSpec, Plan, TrainSpec, parse_cluster
 
@@ -113,6 +114,13 @@ def test_vocab_parallel_evens_a_large_vocabulary_pipeline_and_the_simulator_repl
     assert split.memory.total < plain.memory.total  # the last stage no longer holds 128k-wide logits alone
     simulated = simulate_plan(_plan(**kwargs, vocab_parallel=True))
     assert simulated.pipeline_time_s == pytest.approx(split.pipeline_s, rel=0.03)
+    # drawn: one bar per forward and backward at the end of the pass, each the rank's collectives
+    comm = vocab_parallel_comm(Layout.of_plan(_plan(**kwargs, vocab_parallel=True)), pp_group_link(
+        Layout.of_plan(_plan(**kwargs)), topology_of(parse_cluster("1x8xH100-SXM"))), 2)
+    bars = [e for e in simulated.events if e.kind == VOCAB_COLLECTIVES]
+    assert len(bars) == 2 * 8 * 32 and all(e.lane == "cp" for e in bars)
+    assert sorted({round(e.end - e.start, 12) for e in bars}) == sorted({round(comm.backward, 12),
+                                                                         round(comm.forward, 12)})
     # interleaved: each rank's slices spread over its chunks; the replay still agrees with the walk
     chunks = _plan(**kwargs, vocab_parallel=True, schedule="interleaved-1f1b", virtual_stages=2)
     assert simulate_plan(chunks).pipeline_time_s == pytest.approx(estimate(chunks, FIVEFOLD).pipeline_s, rel=0.03)

@@ -64,6 +64,7 @@ from typing import Sequence
 from fivefold.errors import SpecError
 from fivefold.sim.replay import Replay
 from fivefold.sim.step_input import (CONTEXT_EXCHANGE, EMBEDDING_SYNC, GRAD_REDUCE, OPTIMIZER,  # noqa: F401 (re-exported)
+                                     VOCAB_COLLECTIVES,
                                      PARAM_GATHER, SEND_ACTIVATION, SEND_GRADIENT, Event, StageTimes, StepInput)
 from fivefold.sim.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD,  # noqa: F401 (re-exported)
                                     SPLIT_BACKWARD, rank_orders)

@@ -184,6 +184,7 @@ def from_estimate(plan: Plan, estimate: Any, stage_scale: dict[int, float] | Non
     # The estimate carries each stage's CP seconds per micro-batch (forward + backward, with the forward's
     # again under full recompute); forward and backward exchange about the same volume.
     forward_share = 1.0 / (3.0 if plan.recompute == "full" else 2.0)
+    vocab = _vocab_collectives(plan)
     for index, cost in enumerate(costs):
         scale = stage_scale.get(index, 1.0)
         reduce, gather = collectives[index]
@@ -195,7 +196,8 @@ def from_estimate(plan: Plan, estimate: Any, stage_scale: dict[int, float] | Non
             grad_reduce=reduce, reduce_every_micro_batch=sync.reduce_every_micro_batch, param_gather=gather,
             reshard_after_forward=sync.reshard_after_forward, reshard_after_backward=sync.reshard_after_backward,
             buckets=plan.layers_per_stage[index], cp_forward=cp_seconds * forward_share * scale,
-            cp_backward=cp_seconds * (1.0 - forward_share) * scale))
+            cp_backward=cp_seconds * (1.0 - forward_share) * scale,
+            vocab_forward=vocab[index][0] * scale, vocab_backward=vocab[index][1] * scale))
     base = tuple(m.transient + m.reserved for m in getattr(estimate, "rank_memory", ()))
     optimizer = float(getattr(estimate, "optimizer_s", 0.0) or 0.0)
     title = plan.describe() + f" on {plan.cluster.label}, {plan.model.name}"
@@ -209,6 +211,22 @@ def from_estimate(plan: Plan, estimate: Any, stage_scale: dict[int, float] | Non
                      rank_base_bytes=base if len(base) == plan.pp else (), rank_labels=rank_labels(plan),
                      title=title, overlap_grad_reduce=sync.reduce_overlapped,
                      overlap_param_gather=sync.gather_overlapped, async_p2p=stack.async_p2p)
+
+
+def _vocab_collectives(plan: Plan) -> list[tuple[float, float]]:
+    """Per virtual stage, the (forward, backward) seconds of vocabulary parallelism's collectives inside its
+    passes: each rank's per micro-batch spread over its stages as the estimate spreads them (cost/vocab.py)."""
+    if not plan.vocab_parallel or plan.pp <= 1:
+        return [(0.0, 0.0)] * plan.num_stages
+    from fivefold.cost.comm import topology_of
+    from fivefold.cost.layout import Layout
+    from fivefold.cost.vocab import pp_group_link, vocab_parallel_comm
+
+    layout = Layout.of_plan(plan)
+    comm = vocab_parallel_comm(layout, pp_group_link(layout, topology_of(plan.cluster)),
+                               4 if plan.train.dtype == "fp32" else 2)
+    owners = [plan.stage_owner(index) for index in range(plan.num_stages)]
+    return [(comm.forward / owners.count(owner), comm.backward / owners.count(owner)) for owner in owners]
 
 
 # Micro-batch x stage pairs of one step the simulator replays (each is a forward and a backward per rank, and

@@ -14,7 +14,7 @@ from typing import Sequence
 from fivefold.sim.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SPLIT_BACKWARD, Action,
                                     stage_owners)
 from fivefold.sim.step_input import Event, StepInput  # noqa: F401 (Event: re-exported)
-from fivefold.sim.step_input import (CONTEXT_EXCHANGE, EMBEDDING_SYNC, GRAD_REDUCE,  # noqa: F401 (re-exported)
+from fivefold.sim.step_input import (CONTEXT_EXCHANGE, EMBEDDING_SYNC, GRAD_REDUCE, VOCAB_COLLECTIVES,  # noqa: F401
                                      OPTIMIZER, PARAM_GATHER, SEND_ACTIVATION, SEND_GRADIENT)
 
 # An Event from all its fields without NamedTuple's argument handling: hundreds of thousands per step.
@@ -160,6 +160,7 @@ class Replay:
         gathering = [t.param_gather > 0 for t in stages]
         reducing = [t.grad_reduce > 0 for t in stages]
         exchanging = [t.cp_forward > 0 or t.cp_backward > 0 for t in stages]  # context parallel
+        vocab = [t.vocab_forward > 0 or t.vocab_backward > 0 for t in stages]  # vocabulary parallel
         for rank in range(step.pp):
             offer(rank)
         done = 0
@@ -185,6 +186,9 @@ class Replay:
             if exchanging[stage] and kind != BACKWARD_WEIGHT:  # inside the pass; drawn at its start, one bar
                 exchange = stages[stage].cp_forward if kind == FORWARD else stages[stage].cp_backward
                 events.append(Event(row + rank, "cp", CONTEXT_EXCHANGE, start, start + exchange, stage, micro_batch))
+            if vocab[stage] and kind != BACKWARD_WEIGHT:  # inside the pass; drawn at its end, one bar
+                spent = stages[stage].vocab_forward if kind == FORWARD else stages[stage].vocab_backward
+                events.append(Event(row + rank, "cp", VOCAB_COLLECTIVES, end - spent, end, stage, micro_batch))
             if kind == FORWARD:
                 if stage < last_stage:
                     ship(rank, stage + 1, FORWARD, micro_batch, end, sends[stage])

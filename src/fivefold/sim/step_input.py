@@ -14,13 +14,14 @@ GRAD_REDUCE = "grad-reduce"
 PARAM_GATHER = "param-gather"
 EMBEDDING_SYNC = "embedding-sync"
 CONTEXT_EXCHANGE = "cp-exchange"  # context parallel's K/V all-gather or Ulysses all-to-alls, lane "cp"
+VOCAB_COLLECTIVES = "vocab-collectives"  # vocabulary parallelism's pp-group collectives (cost/vocab.py), lane "cp"
 
 
 class Event(NamedTuple):
     """One bar of the timeline (a tuple: hundreds of thousands are made for a big plan)."""
 
     rank: int  # the row: pp rank, plus replica * pp when replicas that differ are simulated
-    lane: str  # "compute", "comm", or "cp" (context-parallel exchange inside a compute pass)
+    lane: str  # "compute", "comm", or "cp" (context-parallel or vocabulary collectives inside a compute pass)
     kind: str  # F, B, I, W, optimizer; send-activation, send-gradient, grad-reduce, param-gather, embedding-sync
     start: float  # seconds from the start of the step
     end: float
@@ -47,6 +48,8 @@ class StageTimes:
     buckets: int = 1  # layers: gradient buckets / gathered modules that are ready one by one
     cp_forward: float = 0.0  # exposed context-parallel communication inside `forward` (already counted there)
     cp_backward: float = 0.0  # ... inside `backward_input`
+    vocab_forward: float = 0.0  # vocabulary-parallel collectives inside `forward` (already counted there)
+    vocab_backward: float = 0.0  # ... inside `backward_input`
 
 
 @dataclass(frozen=True)

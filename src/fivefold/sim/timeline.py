@@ -19,16 +19,19 @@ from operator import itemgetter
 from pathlib import Path
 
 from fivefold.sim.engine import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, CONTEXT_EXCHANGE, EMBEDDING_SYNC, FORWARD,
+                                 VOCAB_COLLECTIVES,
                                  GRAD_REDUCE, OPTIMIZER, PARAM_GATHER, SEND_ACTIVATION, SEND_GRADIENT, Event, SimResult)
 from fivefold.spec.units import GIB
 
 COLORS = {FORWARD: "#4C72B0", BACKWARD: "#DD8452", BACKWARD_INPUT: "#DD8452", BACKWARD_WEIGHT: "#55A868",
           OPTIMIZER: "#8172B3", SEND_ACTIVATION: "#937860", SEND_GRADIENT: "#DA8BC3", GRAD_REDUCE: "#C44E52",
-          PARAM_GATHER: "#64B5CD", EMBEDDING_SYNC: "#8C8C8C", CONTEXT_EXCHANGE: "#CCB974"}
+          PARAM_GATHER: "#64B5CD", EMBEDDING_SYNC: "#8C8C8C", CONTEXT_EXCHANGE: "#CCB974",
+          VOCAB_COLLECTIVES: "#2CA6A4"}
 LEGEND = {FORWARD: "forward", BACKWARD: "backward", BACKWARD_INPUT: "backward: input grad",
           BACKWARD_WEIGHT: "backward: weight grad", OPTIMIZER: "optimizer", SEND_ACTIVATION: "send activation",
           SEND_GRADIENT: "send gradient", GRAD_REDUCE: "gradient reduce (dp)", PARAM_GATHER: "parameter gather",
-          EMBEDDING_SYNC: "tied-embedding all-reduce", CONTEXT_EXCHANGE: "context-parallel exchange (inside F/B)"}
+          EMBEDDING_SYNC: "tied-embedding all-reduce", CONTEXT_EXCHANGE: "context-parallel exchange (inside F/B)",
+          VOCAB_COLLECTIVES: "vocabulary-parallel collectives (inside F/B)"}
 AGGREGATE_ABOVE = 2000  # bars on one rank beyond which ranks are drawn as aggregated spans
 PIXELS_ACROSS = 1500  # about the width of the time axis in pixels: gaps below step / this are closed
 BUSY, COMM = "busy", "comm"

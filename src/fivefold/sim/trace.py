@@ -15,7 +15,7 @@ from fivefold.sim.engine import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, EMBE
 from fivefold.spec.units import GIB
 
 THREADS = {0: "compute", 1: "send to next rank", 2: "send to previous rank", 3: "gradient reduce",
-           4: "parameter gather", 5: "context-parallel exchange (inside compute)"}
+           4: "parameter gather", 5: "context-parallel / vocabulary collectives (inside compute)"}
 EVENT_NAMES = {FORWARD: "forward", BACKWARD: "backward", BACKWARD_INPUT: "backward (input)",
                BACKWARD_WEIGHT: "backward (weight)", OPTIMIZER: "optimizer", GRAD_REDUCE: "gradient reduce",
                PARAM_GATHER: "parameter gather", EMBEDDING_SYNC: "tied-embedding all-reduce"}
