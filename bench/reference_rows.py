@@ -34,7 +34,8 @@ def torchtitan_plan(row: dict) -> tuple[Plan, object]:
     train = TrainSpec(seq_len=seq, global_batch=int(row["global_batch"]),
                       dtype="fp8" if row["float8"] == "yes" else "bf16")
     schedule = row["schedule"] or "1f1b"
-    plan = Plan(model=model, cluster=parse_cluster(f"{max(1, gpus // 8)}x{min(8, gpus)}xH100-96GB"), train=train,
+    device = row.get("device") or "H100-96GB"  # the 2024 tables ran on Grand Teton's 96 GB H100s
+    plan = Plan(model=model, cluster=parse_cluster(f"{max(1, gpus // 8)}x{min(8, gpus)}x{device}"), train=train,
                 dp=fsdp, tp=tp, pp=pp, cp=cp, zero=3, micro_batch=int(row["local_batch"]) // pp,  # pp micro-batches
                 schedule=schedule, virtual_stages=2 if schedule == "interleaved-1f1b" else 1,
                 recompute=row["activation_checkpoint"], sequence_parallel=tp > 1)
@@ -54,7 +55,7 @@ def torchtitan_rows(path: Path) -> list[dict]:
             out.append({**row, "plan": plan, "layout": plan.describe(), "measured": float(row["tokens_per_s_per_gpu"]),
                         "predicted_fivefold": fivefold.tokens_per_s / plan.world_size if fivefold else None,
                         "predicted": result.tokens_per_s / plan.world_size,
-                        "measured_memory": float(row["memory_gib"]),
+                        "measured_memory": float(row["memory_gib"]) if row.get("memory_gib") else None,
                         "predicted_memory": (result.memory.total - stack.reserved_bytes) / GIB,
                         "mfu": result.mfu, "measured_mfu": float(row["tokens_per_s_per_gpu"]) / result.tokens_per_s
                         * plan.world_size * result.mfu})

@@ -399,6 +399,9 @@ def main() -> int:
     moe = megatron_moe_rows(ROOT / "bench" / "reference" / "megatron_moe_h100.csv")
     print("\n".join(validation_moe.moe_lines(moe)))
     print(validation_moe.moe_summary(moe))
+    titan_more = validation_moe.torchtitan_table_rows(ROOT / "bench" / "reference")
+    for name, rows in titan_more.items():
+        print("\n".join(validation_moe.torchtitan_lines(name, rows)))
     simulated = simulator_rows()
     for row in simulated:
         print(f"estimate vs simulator, {row['stack']:<16} {row['cases']} cases: worst {row['worst']:+.1%}, "
@@ -411,7 +414,8 @@ def main() -> int:
     if args.write:
         pictures = report.write_plots(args.write.parent / "images")
         write_section(args.write, markdown(vtrain, core, bubble, kort, simulated, report, pictures))
-        write_section(args.write, validation_moe.section(ROOT / "bench" / "reference", moe), validation_moe.HEADING)
+        write_section(args.write, validation_moe.section(ROOT / "bench" / "reference", moe, titan_more),
+                      validation_moe.HEADING)
         print(f"wrote {args.write}")
     print(f"({time.perf_counter() - started:.1f} s)")
     return 0

@@ -13,6 +13,9 @@ from fivefold.spec.devices import CATALOG
 
 HEADING = "## Kernels and MoE (issue 25)"
 MOE_TARGET = 0.15  # every modelled dev-set MoE row within 15% of tokens/s
+# Further TorchTitan tables (FP8 recipes, async TP, H200), read like shared/reference/torchtitan_h100.csv with the
+# optional columns `float8_recipe` and `device` (bench/reference/README.md).
+TORCHTITAN_TABLES = ("torchtitan_asynctp_h100.csv", "torchtitan_h200.csv")
 
 
 def _csv(path: Path) -> list[dict]:
@@ -55,6 +58,33 @@ def moe_lines(rows: list[dict]) -> list[str]:
     return out
 
 
+def torchtitan_lines(name: str, rows: list[dict]) -> list[str]:
+    """Console lines for one of TORCHTITAN_TABLES (predicted with the `torchtitan` stack)."""
+    out = []
+    for row in rows:
+        memory = (f"; memory {row['measured_memory']:.1f} / {row['predicted_memory']:.1f} GiB"
+                  if row["measured_memory"] is not None else "")
+        out.append(f"{name} {row['model']:>13} {row['layout']:<48} async_tp={row['async_tp']:<3} "
+                   f"float8={row['float8_recipe']:<10} tokens/s/GPU measured {row['measured']:7.1f} predicted "
+                   f"{row['predicted']:7.1f} ({row['predicted'] / row['measured'] - 1:+.1%}){memory}")
+    return out
+
+
+def torchtitan_table_rows(reference: Path) -> dict[str, list[dict]]:
+    from reference_rows import torchtitan_rows
+
+    return {name: torchtitan_rows(reference / name) for name in TORCHTITAN_TABLES}
+
+
+def dev_set_tables(reference: Path) -> dict[str, list[dict]]:
+    """Every training table of bench/reference/ (those with a `source` column), each read and predicted by its
+    own reader; tests/test_reference_tables.py checks that no such table is left without one."""
+    from reference_rows import megatron_moe_rows
+
+    return {"megatron_moe_h100.csv": megatron_moe_rows(reference / "megatron_moe_h100.csv"),
+            **torchtitan_table_rows(reference)}
+
+
 def moe_summary(rows: list[dict]) -> str:
     errors = [abs(r["predicted"] / r["measured"] - 1) for r in rows if r["modelled"] and r["predicted"]]
     inside = sum(e <= MOE_TARGET for e in errors)
@@ -62,7 +92,20 @@ def moe_summary(rows: list[dict]) -> str:
             f"MAPE {statistics.fmean(errors):.1%}")
 
 
-def section(reference: Path, rows: list[dict]) -> str:
+def torchtitan_section(tables: dict[str, list[dict]]) -> list[str]:
+    lines = ["", "FP8 and async-TP development rows (TorchTitan, `bench/reference/`, sources in its README), predicted "
+             "with the `torchtitan` stack and `--dtype fp8` for every Float8 recipe (the cost model has no recipe "
+             "field yet).", "", "| table | model | layout | device | async TP | float8 | measured tokens/s/GPU | "
+             "predicted | error |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, rows in tables.items():
+        for row in rows:
+            lines.append(f"| {name} | {row['model']} | {row['layout']} | {row.get('device') or 'H100-96GB'} | "
+                         f"{row['async_tp']} | {row['float8_recipe']} | {row['measured']:.0f} | "
+                         f"{row['predicted']:.0f} | {row['predicted'] / row['measured'] - 1:+.1%} |")
+    return lines
+
+
+def section(reference: Path, rows: list[dict], titan: dict[str, list[dict]] | None = None) -> str:
     lines = [HEADING, "", "Produced by `bench/validate_cost_model.py --write docs/validation.md` with the tables in "
              "`bench/reference/` (sources in its README). Kernels: the op model of `cost/compute.py` at the "
              "tables' benchmark clocks (`cost/kernels.py`), row by row (`tests/test_cost_kernels.py`).", "",
@@ -86,4 +129,6 @@ def section(reference: Path, rows: list[dict]) -> str:
               "dense and MoE, do not change between 8 and 16 us per kernel; this row needs >= 14 us, i.e. an MoE "
               "layer whose ~550 launches a micro-batch, behind a host sync each, outlast its GPU work). One row "
               "does not set a stack constant, so `megatron-core` keeps 8 us and the row stays a miss."]
+    if titan:
+        lines += torchtitan_section(titan)
     return "\n".join(lines) + "\n"

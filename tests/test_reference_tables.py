@@ -1,0 +1,64 @@
+"""The development-set training tables of bench/reference/ (issue 25): every row of every table parses into a
+plan and a prediction, and every row names its source, which the README's section for the table cites."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+REFERENCE = ROOT / "bench" / "reference"
+sys.path.insert(0, str(ROOT / "bench"))
+_spec = importlib.util.spec_from_file_location("validation_moe", ROOT / "bench" / "validation_moe.py")
+validation_moe = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(validation_moe)
+
+
+def _training_tables() -> dict[str, list[dict]]:
+    """name -> raw CSV rows of every table with a `source` column (the kernel tables have none)."""
+    out = {}
+    for path in sorted(REFERENCE.glob("*.csv")):
+        with open(path) as handle:
+            rows = list(csv.DictReader(handle))
+        if rows and "source" in rows[0]:
+            out[path.name] = rows
+    return out
+
+
+def _readme_sections() -> dict[str, str]:
+    sections: dict[str, str] = {}
+    name = None
+    for line in (REFERENCE / "README.md").read_text().splitlines():
+        if line.startswith("## "):
+            name = line[3:].split(" ")[0]
+            sections[name] = ""
+        elif name:
+            sections[name] += line + "\n"
+    return sections
+
+
+def test_every_training_table_row_parses_and_is_predicted() -> None:
+    raw = _training_tables()
+    predicted = validation_moe.dev_set_tables(REFERENCE)
+    assert set(raw) == set(predicted), "a table in bench/reference/ has no reader in validation_moe.dev_set_tables"
+    for name, rows in predicted.items():
+        assert len(rows) == len(raw[name]), name
+        for row in rows:
+            assert row["measured"] > 0, (name, row)
+            # a row the model cannot express says why (its layout), every other one has a finite prediction
+            assert row["predicted"] is None and row["layout"] or math.isfinite(row["predicted"]), (name, row)
+
+
+def test_every_training_row_names_its_source_and_the_readme_cites_it() -> None:
+    sections = _readme_sections()
+    for name, rows in _training_tables().items():
+        assert name in sections, f"bench/reference/README.md has no section for {name}"
+        for row in rows:
+            source = row["source"].strip()
+            repo_or_paper, _, path = source.partition(" ")
+            assert source and repo_or_paper, (name, row)
+            # the README names the repository or paper and the file or table the row was copied from
+            assert repo_or_paper.split("@")[0] in sections[name] and path.split(" ")[0] in sections[name], (name, source)
