@@ -43,6 +43,13 @@ HOST_SYNC_SECONDS = 10e-6
 KERNELS_AFTER_SYNC = 4
 
 
+# Transformer Engine's FP8 GroupedLinear allocates the quantized input and its transpose per expert before its one
+# multi-cast kernel: 2 x num_gemms torch.empty calls per GEMM input (TransformerEngine issue #1499, a maintainer's
+# profile of GroupedLinear's CPU time), host work of the same order as an op issued from Python. Forward: the two
+# projections' inputs; backward: the two output gradients. (forward, backward) host ops per local expert.
+TE_FP8_HOST_OPS_PER_EXPERT = (4, 4)
+
+
 class MoETerms(NamedTuple):
     """Seconds of one MoE block for one micro-batch on the busiest rank: forward + backward (no recompute)."""
 
@@ -74,15 +81,15 @@ class MoETokens(NamedTuple):
 def moe_tokens(tokens: int, tp: int, etp: int, sequence_parallel: bool, splits_over_tp: bool) -> MoETokens:
     """What one rank routes of its tp group's `tokens`, and how its experts are split.
 
-    Megatron-Core: with sequence parallelism a rank holds tokens / tp and the etp group gathers etp of those
-    shards (etp = tp: the whole group's tokens, its default; etp = 1: its own shard, ep spanning tp), costed as
-    gathered before routing; without it every rank routes all of them. `splits_over_tp` (fivefold's runtime,
-    runtime/expert_folding.py): every tp rank routes its own tokens / tp with or without sequence parallelism,
-    the etp group gathers the dispatched copies after the all-to-all, and the shared experts stay whole."""
-    if splits_over_tp:
+    Megatron-Core with sequence parallelism: a rank routes its own tokens / tp and dispatches them over ep; the
+    etp group all-gathers the received copies after the all-to-all (MoEAlltoAllTokenDispatcher: the gather over
+    the expert tensor-parallel group follows the dispatch) and the shared experts (SharedExpertMLP, tp-split under
+    SP) cost what the rank's own tokens cost at their whole width; without sequence parallelism every tp rank
+    routes all of them. `splits_over_tp` (fivefold's runtime, runtime/expert_folding.py): every tp rank routes its
+    own tokens / tp with or without sequence parallelism, gathered over etp the same way."""
+    if splits_over_tp or (sequence_parallel and tp > 1):
         return MoETokens(tokens // tp, etp, etp, 1)
-    own = tokens // tp if sequence_parallel and tp > 1 else tokens
-    return MoETokens(own * etp if sequence_parallel and tp > 1 else own, 1, etp, etp)
+    return MoETokens(tokens, 1, etp, etp)
 
 
 def dispatch_time(tokens: int, model: ModelSpec, element_bytes: int, imbalance: float, link: GroupLink,
@@ -99,6 +106,22 @@ def dispatch_time(tokens: int, model: ModelSpec, element_bytes: int, imbalance: 
     inside = (link.size - 1) / link.size * copies / link.intra_bandwidth
     outside = copies / k * remote_nodes / link.network_bandwidth
     return (link.size - 1) * link.latency + max(inside, outside)
+
+
+def expert_gemms(work: PassWork, device: Device, stack: SoftwareStack, rows: int, hidden: int, width: int,
+                 swiglu: bool, experts: int) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """The local experts' MLPs: one grouped launch whose tiles share the waves (stack.grouped_gemm_streams 0), or
+    one GEMM per expert with `streams` of them running side by side (Transformer Engine's GroupedLinear:
+    nvte_multi_stream_cublas_gemm issues a cuBLAS GEMM per expert over its compute streams), so only the tiles of
+    `streams` experts share a wave. Same FLOPs; the difference is the wave quantization of few rows per expert."""
+    streams = stack.grouped_gemm_streams
+    if streams <= 0 or streams >= experts:
+        return mlp(work, device, stack, rows, hidden, width, swiglu, experts)
+    sums = [0.0] * 6
+    for size in [streams] * (experts // streams) + ([experts % streams] if experts % streams else []):
+        up, down = mlp(work, device, stack, rows, hidden, width, swiglu, size)
+        sums = [a + b for a, b in zip(sums, (*up, *down))]
+    return (sums[0], sums[1], sums[2]), (sums[3], sums[4], sums[5])
 
 
 def _seconds(work: PassWork) -> float:
@@ -134,6 +157,7 @@ def moe_mlp(work: PassWork, model: ModelSpec, split: MoETokens, ep: int, imbalan
     work.elementwise(device, moved, moved, 4 if sorts else 2, 4 if sorts else 2)
     mark()
     if stack.moe_dispatch_syncs_host:
+        work.host_sync()
         work.host_wait += HOST_SYNC_SECONDS + KERNELS_AFTER_SYNC * stack.host_seconds_per_kernel
     mark()
     if ep_link.size > 1:
@@ -142,13 +166,17 @@ def moe_mlp(work: PassWork, model: ModelSpec, split: MoETokens, ep: int, imbalan
         work.collective("ep", counts + 2 * dispatch, 2 * dispatch)
     mark()
     swiglu = m.mlp == "swiglu"
-    up, down = mlp(work, device, stack, per_expert, h, m.expert_ffn_hidden // split.split, swiglu, local_experts)
+    up, down = expert_gemms(work, device, stack, per_expert, h, m.expert_ffn_hidden // split.split, swiglu,
+                            local_experts)
     mark()
     if m.shared_experts:
         mlp(work, device, stack, tokens, h, m.shared_experts * m.expert_ffn_hidden // split.shared_split, swiglu)
     mark()
     # Launches: the dense MLP's (up, activation, down; five backward) plus what the eager MoE block adds.
     extra_forward, extra_backward = moe_block_ops(m, local_experts)
+    if stack.grouped_gemm_streams > 0 and device.fp8_gemm_peak > 0:  # Transformer Engine's FP8 GroupedLinear
+        extra_forward += TE_FP8_HOST_OPS_PER_EXPERT[0] * local_experts
+        extra_backward += TE_FP8_HOST_OPS_PER_EXPERT[1] * local_experts
     work.forward_kernels = kernels[0] + 3 + extra_forward
     work.backward_kernels = kernels[1] + 5 + extra_backward
     parts = [b - a for a, b in zip(marks, marks[1:])]
@@ -156,22 +184,28 @@ def moe_mlp(work: PassWork, model: ModelSpec, split: MoETokens, ep: int, imbalan
 
 
 
+def etp_exchange(work: PassWork, model: ModelSpec, block: MoEBlock, etp_link: GroupLink, element_bytes: int) -> None:
+    """etp > 1: the etp group exchanges the dispatched copies around the experts, per micro-batch: an all-gather
+    of `block.expert_rows` rows forward and a reduce-scatter of the partial outputs, backward the reverse pair
+    (uneven rows, costed as the even collectives of the busiest rank's rows)."""
+    rows = block.expert_rows * model.hidden * element_bytes
+    exchange = all_gather_time(rows, etp_link) + reduce_scatter_time(rows, etp_link)
+    if exchange > 0:
+        work.collective("tp", exchange, exchange)
+
+
 def tp_split_block_comm(work: PassWork, model: ModelSpec, block: MoEBlock, hidden_bytes: float,
                         sequence_parallel: bool, tp_link: GroupLink, etp_link: GroupLink, element_bytes: int) -> None:
     """The collectives of an MoE block whose tp ranks each route their own tokens / tp (fivefold's runtime,
     runtime/expert_folding.py), per micro-batch:
-    - etp > 1: the etp group exchanges the dispatched copies (all-gather of `block.expert_rows` rows forward,
-      reduce-scatter of the partial outputs; backward the reverse pair), as all-to-alls of uneven rows;
+    - etp > 1: the etp group exchanges the dispatched copies (etp_exchange);
     - tp > 1 without sequence parallel: the replicated input is cut locally (backward: its gradient all-gathered,
       SplitSequence) and the output all-gathered (GatherSequence; backward keeps a part): one all-gather of the
       block's whole activation (`hidden_bytes`) each way;
     - tp > 1: the router's and shared experts' weights saw different tokens on each tp rank, so their
       gradients are all-reduced over tp in backward, one all-reduce per weight (SumGradient).
     Under sequence parallelism the input already is the rank's part: no activation collective over tp."""
-    rows = block.expert_rows * model.hidden * element_bytes
-    exchange = all_gather_time(rows, etp_link) + reduce_scatter_time(rows, etp_link)
-    if exchange > 0:
-        work.collective("tp", exchange, exchange)
+    etp_exchange(work, model, block, etp_link, element_bytes)
     if tp_link.size <= 1:
         return
     gather = 0.0 if sequence_parallel else all_gather_time(hidden_bytes, tp_link)

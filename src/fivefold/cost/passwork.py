@@ -42,7 +42,7 @@ class PassWork:
     """Accumulates GPU seconds, CPU kernel launches and exposed communication of one pass."""
 
     __slots__ = ("forward", "backward_input", "backward_weight", "forward_comm", "backward_comm",
-                 "forward_kernels", "backward_kernels", "selective", "linear_forward", "host_wait")
+                 "forward_kernels", "backward_kernels", "selective", "linear_forward", "host_wait", "synced_at")
 
     def __init__(self) -> None:
         self.forward = self.backward_input = self.backward_weight = 0.0
@@ -52,6 +52,11 @@ class PassWork:
         self.selective = 0.0  # forward seconds that selective recompute repeats
         self.linear_forward = 0.0  # forward seconds of the block's linear layers
         self.host_wait = 0.0  # forward seconds the GPU idles after a host sync drained its queue (cost/moe_block.py)
+        self.synced_at: tuple[float, int] | None = None  # forward (GPU seconds, kernels) issued before a host sync
+
+    def host_sync(self) -> None:
+        """The CPU waits here for the GPU to finish the forward so far (cost/moe_block.py): mark the split."""
+        self.synced_at = (self.forward + sum(self.forward_comm.values()), self.forward_kernels)
 
     def gemm(self, device: Device, tokens: int, k: int, n: int, batch: int = 1,
              bias: bool = False, fp8: bool = False) -> tuple[float, float, float]:
@@ -86,7 +91,10 @@ class PassWork:
     def finish(self, stack: SoftwareStack, recompute: str) -> PassCost:
         forward_comm = sum(self.forward_comm.values())
         forward_gpu = self.forward + forward_comm
-        forward = with_host(forward_gpu, self.forward_kernels, stack) + self.host_wait
+        forward = with_host(forward_gpu, self.forward_kernels, stack)
+        if self.synced_at is not None:
+            forward = max(forward, synced_forward(forward_gpu, self.forward_kernels, self.synced_at, stack))
+        forward += self.host_wait
         backward_gpu = self.backward_input + self.backward_weight + sum(self.backward_comm.values())
         backward = with_host(backward_gpu, self.backward_kernels, stack)
         # CPU-bound time lands on the input-gradient part; W keeps its pure GPU time.
@@ -112,6 +120,19 @@ def with_host(gpu: float, kernels: int, stack: SoftwareStack) -> float:
     """
     host = kernels * stack.host_seconds_per_kernel
     return max(gpu, host) + stack.host_serialization * min(gpu, host)
+
+
+def synced_forward(gpu: float, kernels: int, synced_at: tuple[float, int], stack: SoftwareStack) -> float:
+    """A forward pass with one host sync inside (the MoE dispatcher's token counts), as the repeating segment from
+    one layer's sync to the next: the part after the sync (B: dispatch to combine) is issued into an empty GPU
+    queue, the part before it (A: the next layer's attention and router) must finish before the next sync lets
+    the CPU go on. The GPU cannot start B's kernels before the CPU issues them, nor the CPU pass the sync before
+    the GPU ends A, so the segment takes max(C_B + max(C_A, G_A), G_B + G_A) (C: CPU issue seconds, G: GPU
+    seconds), not max(C_A + C_B, G_A + G_B) as without a sync, when the CPU runs ahead across both."""
+    gpu_a, kernels_a = synced_at
+    host_a = kernels_a * stack.host_seconds_per_kernel
+    host_b = (kernels - kernels_a) * stack.host_seconds_per_kernel
+    return max(host_b + max(host_a, gpu_a), gpu)
 
 
 def fp8_linear(work: PassWork, device: Device, stack: SoftwareStack, tokens: int, k: int, n: int,

@@ -110,6 +110,8 @@ class SoftwareStack:
     #                                          dispatched copies; router and shared-expert gradients summed over
     #                                          tp (runtime/expert_folding.py; cost/moe_block.py)
     moe_dispatch_syncs_host: bool = True  # MoE dispatch copies token counts to the host first (cost/moe_block.py)
+    grouped_gemm_streams: int = 0  # MoE experts: 0, one grouped GEMM launch; k, a GEMM per expert, k streams
+    #                                (Transformer Engine's GroupedLinear; cost/moe_block.py expert_gemms)
     moe_dispatch_per_node: bool = False  # DeepEP: one network copy of a token per destination node, forwarded
     #                                      over NVLink to its experts there (cost/moe_block.py dispatch_time)
     features: Features = Features()  # what the software can run at all
@@ -133,7 +135,8 @@ STACKS: dict[str, SoftwareStack] = {
     # Megatron-Core with Transformer Engine as NVIDIA benchmarks it: TP communication overlapped with
     # GEMMs, distributed optimizer with overlapped gradient reduce and parameter gather.
     "megatron-core": SoftwareStack(
-        name="megatron-core", overlap_tp_comm=True, unfused_cross_entropy=True,
+        name="megatron-core", overlap_tp_comm=True, unfused_cross_entropy=True, host_seconds_per_kernel=13.5e-6,
+        grouped_gemm_streams=4,
         features=Features(schedules=("1f1b", "interleaved-1f1b"), zero_levels=(0, 1, 3),
                           cp_methods=("allgather", "ulysses"), fp8=True,
                           built_on="Megatron-Core + Transformer Engine, distributed optimizer, Megatron-FSDP "
