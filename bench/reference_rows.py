@@ -20,7 +20,7 @@ from pathlib import Path
 
 from fivefold.cost import STACKS, estimate
 from fivefold.errors import FivefoldError
-from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
+from fivefold.spec import PRESETS, ModelSpec, Plan, TrainSpec, parse_cluster
 
 GIB = 2**30
 TITAN_MODELS = {"llama3.1-8b": "llama3-8b", "llama3.1-70b": "llama3-70b", "llama3.1-405b": "llama3-405b"}
@@ -64,7 +64,6 @@ def torchtitan_rows(path: Path) -> list[dict]:
 
 def mcore_plan(row: dict, recompute: str, virtual: int) -> Plan:
     gpus, tp, pp, dp = int(row["gpus"]), int(row["tp"]), int(row["pp"]), int(row["dp"])
-    from fivefold.spec import ModelSpec
 
     model = ModelSpec(name=row["model"], layers=int(row["layers"]), hidden=int(row["hidden"]), heads=int(row["heads"]),
                       mlp="gelu", norm="layernorm", position="rope", vocab=131072, max_seq_len=4096)
@@ -157,7 +156,23 @@ def credibility_tables(vtrain: list[dict], bubble: list[dict], core: list[dict],
 _SCHEDULE_ORDER = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"]
 
 
-MOE_RECOMPUTE = {"none": "none", "norm+act": "none", "full": "full"}  # module recompute of norm/act: ~free
+# Module recompute of norm/act is ~free; "norm+moe" (Megatron's `--recompute-modules layernorm moe`) repeats the
+# MoE layers' forward, which no Plan recompute level describes: costed as none, and such rows carry a note.
+MOE_RECOMPUTE = {"none": "none", "norm+act": "none", "full": "full", "norm+moe": "none"}
+
+
+def megatron_flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """FLOPs per token as Megatron-Core counts them for its TFLOP/s log (`num_floating_point_operations` in
+    megatron/training/training.py, GQA + MoE branch): 3 x forward, 2 per multiply-add, QKV and output
+    projections, the attention core halved for the causal mask, top_k experts' SwiGLU (no router), the
+    logits. Check: with it the ModelZoo H100 table's own step times (19.7 / 17.6 s) give 246 / 276 TFLOP/s per
+    GPU against the 245 / 276 it reports. Unlike fivefold's model FLOPs (cost/flops.py) it discounts causality."""
+    h, q, kv = model.hidden, model.heads * model.head_dim, model.kv_heads * model.head_dim
+    matrices = 3 if model.mlp == "swiglu" else 2
+    mlp = (2 * matrices * h * model.expert_ffn_hidden * (model.top_k + model.shared_experts) if model.experts
+           else 2 * matrices * h * model.ffn_hidden)
+    layer = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * seq_len * q + mlp
+    return 3.0 * (model.layers * layer + 2 * h * model.vocab)
 
 
 def megatron_moe_plan(row: dict) -> Plan:
@@ -182,7 +197,11 @@ def megatron_moe_rows(path: Path) -> list[dict]:
     stack = STACKS["megatron-core"]
     with open(path) as handle:
         for row in csv.DictReader(handle):
-            measured = int(row["global_batch"]) * int(row["seq_len"]) / float(row["step_time_s"]) / int(row["gpus"])
+            if row["step_time_s"]:
+                measured = int(row["global_batch"]) * int(row["seq_len"]) / float(row["step_time_s"]) / int(row["gpus"])
+            else:  # only TFLOP/s reported: tokens/s through Megatron's own FLOPs count
+                measured = float(row["tflops_per_gpu"]) * 1e12 / megatron_flops_per_token(
+                    PRESETS[row["model"]], int(row["seq_len"]))
             try:
                 plan = megatron_moe_plan(row)
             except FivefoldError as exc:

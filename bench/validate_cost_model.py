@@ -34,7 +34,7 @@ from fivefold.planner import balanced_layers  # noqa: E402
 from fivefold.spec import ModelSpec, Plan, TrainSpec, parse_cluster  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
-from reference_rows import megatron_core_rows, megatron_moe_rows, torchtitan_rows  # noqa: E402
+from reference_rows import megatron_core_rows, torchtitan_rows  # noqa: E402
 
 # The development set lives in shared/ beside the repository (that is where CI puts it too).
 DEFAULT_REFERENCE = next((path for path in (ROOT.parent / "shared" / "reference", ROOT / "shared" / "reference",
@@ -396,7 +396,7 @@ def main() -> int:
               f"predicted {row['predicted']:.1f}%")
     import validation_moe
 
-    moe = megatron_moe_rows(ROOT / "bench" / "reference" / "megatron_moe_h100.csv")
+    moe = validation_moe.megatron_moe_table_rows(ROOT / "bench" / "reference")
     print("\n".join(validation_moe.moe_lines(moe)))
     print(validation_moe.moe_summary(moe))
     titan_more = validation_moe.torchtitan_table_rows(ROOT / "bench" / "reference")

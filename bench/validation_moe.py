@@ -16,6 +16,8 @@ MOE_TARGET = 0.15  # every modelled dev-set MoE row within 15% of tokens/s
 # Further TorchTitan tables (FP8 recipes, async TP, H200), read like shared/reference/torchtitan_h100.csv with the
 # optional columns `float8_recipe` and `device` (bench/reference/README.md).
 TORCHTITAN_TABLES = ("torchtitan_asynctp_h100.csv", "torchtitan_h200.csv")
+# Megatron-Core MoE tables, read by reference_rows.megatron_moe_rows (TFLOP/s-only rows through Megatron's FLOPs).
+MEGATRON_TABLES = ("megatron_moe_h100.csv", "megatron_moe_long_h100.csv")
 
 
 def _csv(path: Path) -> list[dict]:
@@ -52,7 +54,8 @@ def moe_lines(rows: list[dict]) -> list[str]:
             out.append(f"megatron-moe {row['model']} {row['note']}: not modelled ({row['layout']})")
             continue
         error = row["predicted"] / row["measured"] - 1
-        out.append(f"megatron-moe {row['model']} {row['dispatcher']:<8} {row['layout']:<58} tokens/s/GPU measured "
+        out.append(f"megatron-moe {row['model']} s={row['seq_len']:<6} {row['dispatcher']:<8} {row['layout']:<62} "
+                   f"tokens/s/GPU measured "
                    f"{row['measured']:6.0f} predicted {row['predicted']:6.0f} ({error:+.0%})"
                    + ("" if row["modelled"] else f"  [{row['note']}]"))
     return out
@@ -76,12 +79,19 @@ def torchtitan_table_rows(reference: Path) -> dict[str, list[dict]]:
     return {name: torchtitan_rows(reference / name) for name in TORCHTITAN_TABLES}
 
 
+def megatron_moe_table_rows(reference: Path) -> list[dict]:
+    """The rows of every MEGATRON_TABLES file, in order (the MoE target counts the modelled ones)."""
+    from reference_rows import megatron_moe_rows
+
+    return [row for name in MEGATRON_TABLES for row in megatron_moe_rows(reference / name)]
+
+
 def dev_set_tables(reference: Path) -> dict[str, list[dict]]:
     """Every training table of bench/reference/ (those with a `source` column), each read and predicted by its
     own reader; tests/test_reference_tables.py checks that no such table is left without one."""
     from reference_rows import megatron_moe_rows
 
-    return {"megatron_moe_h100.csv": megatron_moe_rows(reference / "megatron_moe_h100.csv"),
+    return {**{name: megatron_moe_rows(reference / name) for name in MEGATRON_TABLES},
             **torchtitan_table_rows(reference)}
 
 
@@ -114,16 +124,19 @@ def section(reference: Path, rows: list[dict], titan: dict[str, list[dict]] | No
         lines.append(f"| {name} | {len(errors)} | {statistics.fmean(map(abs, errors)):.1%} | "
                      f"{max(errors, key=abs):+.1%} |")
     lines += ["", "MoE development set: Megatron-Core on H100 (Megatron-MoE-ModelZoo, Qwen3-235B-A22B on 256 "
-              "GPUs), predicted with the `megatron-core` stack (DeepEP rows with `moe_dispatch_per_node`: one "
-              "network copy per destination node). Target: every modelled row within 15% of tokens/s.", "",
-              "| layout | dispatcher | measured tokens/s/GPU | predicted | error | note |", "|---|---|---|---|---|---|"]
+              "GPUs, sequence 4096 and 16K-128K; rows reported as TFLOP/s only converted to tokens/s with Megatron's "
+              "FLOPs count, `reference_rows.megatron_flops_per_token`), predicted with the `megatron-core` stack "
+              "(DeepEP rows with `moe_dispatch_per_node`: one network copy per destination node). Target: every modelled "
+              "row within 15% of tokens/s.", "",
+              "| seq | layout | dispatcher | measured tokens/s/GPU | predicted | error | note |",
+              "|---|---|---|---|---|---|---|"]
     for row in rows:
         if row["predicted"] is None:
-            lines.append(f"| (not expressible: {row['layout']}) | {row['dispatcher']} | {row['measured']:.0f} | - | - "
-                         f"| {row['note']} |")
+            lines.append(f"| {row['seq_len']} | (not expressible: {row['layout']}) | {row['dispatcher']} | "
+                         f"{row['measured']:.0f} | - | - | {row['note']} |")
             continue
-        lines.append(f"| {row['layout']} | {row['dispatcher']} | {row['measured']:.0f} | {row['predicted']:.0f} | "
-                     f"{row['predicted'] / row['measured'] - 1:+.1%} | {row['note'] or ''} |")
+        lines.append(f"| {row['seq_len']} | {row['layout']} | {row['dispatcher']} | {row['measured']:.0f} | "
+                     f"{row['predicted']:.0f} | {row['predicted'] / row['measured'] - 1:+.1%} | {row['note'] or ''} |")
     lines += ["", moe_summary(rows) + ". The miss is tp4 ep8 etp1 pp8 (vpp4, 1024 tokens per rank and micro-batch): "
               "of every term only the stack's CPU seconds per kernel moves it (the other 11 Megatron-Core rows, "
               "dense and MoE, do not change between 8 and 16 us per kernel; this row needs >= 14 us, i.e. an MoE "

@@ -61,4 +61,26 @@ def test_every_training_row_names_its_source_and_the_readme_cites_it() -> None:
             repo_or_paper, _, path = source.partition(" ")
             assert source and repo_or_paper, (name, row)
             # the README names the repository or paper and the file or table the row was copied from
-            assert repo_or_paper.split("@")[0] in sections[name] and path.split(" ")[0] in sections[name], (name, source)
+            cited = sections[name]
+            assert repo_or_paper.split("@")[0] in cited and path.split(" ")[0] in cited, (name, source)
+
+
+def test_megatron_flops_count_reproduces_the_modelzoo_tables_own_tflops() -> None:
+    """The TFLOP/s-only rows are converted with Megatron's FLOPs per token; on the rows that report both a step
+    time and TFLOP/s (megatron_moe_h100.csv) the count gives back the reported TFLOP/s within 1%."""
+    from reference_rows import megatron_flops_per_token
+
+    from fivefold.spec import PRESETS
+
+    checked = 0
+    with open(REFERENCE / "megatron_moe_h100.csv") as handle:
+        for row in csv.DictReader(handle):
+            tokens = int(row["global_batch"]) * int(row["seq_len"]) / float(row["step_time_s"]) / int(row["gpus"])
+            tflops = tokens * megatron_flops_per_token(PRESETS[row["model"]], int(row["seq_len"])) / 1e12
+            assert abs(tflops / float(row["tflops_per_gpu"]) - 1) < 0.01, (row, tflops)
+            checked += 1
+    assert checked == 5
+    # by hand (Qwen3-235B-A22B, seq 4096): per layer 2*4096*(8192+1024) + 2*8192*4096 + 2*4096*8192
+    # + 2*3*4096*1536*8, 94 layers, logits 2*4096*151936, times 3
+    layer = 2 * 4096 * 9216 + 2 * 8192 * 4096 + 2 * 4096 * 8192 + 6 * 4096 * 1536 * 8
+    assert megatron_flops_per_token(PRESETS["qwen3-235b-a22b"], 4096) == 3 * (94 * layer + 2 * 4096 * 151936)
