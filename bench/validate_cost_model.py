@@ -399,6 +399,9 @@ def main() -> int:
     moe = validation_moe.megatron_moe_table_rows(ROOT / "bench" / "reference")
     print("\n".join(validation_moe.moe_lines(moe)))
     print(validation_moe.moe_summary(moe))
+    for recipe, measured, predicted in validation_moe.te_fp8_speedups(ROOT / "bench" / "reference"):
+        print(f"TransformerEngine H200 NVL layer GEMMs {recipe:<13} speed-up over BF16 measured {measured:.2f}x, "
+              f"op model {predicted:.2f}x")
     titan_more = validation_moe.torchtitan_table_rows(ROOT / "bench" / "reference")
     for name, rows in titan_more.items():
         print("\n".join(validation_moe.torchtitan_lines(name, rows)))

@@ -46,6 +46,28 @@ def kernel_errors(reference: Path) -> dict[str, list[float]]:
     return out
 
 
+def te_layer_gemm_shapes(tokens: int = 31 * 512, hidden: int = 4096, inner: int = 16384) -> list[tuple[int, int, int]]:
+    """(m, n, k) of the 12 GEMMs of one layer as TransformerEngine's benchmarks/gemm/benchmark_gemm.py derives
+    them (bench/reference/te_h200nvl_gemm_layer.csv): QKV, attention out, MLP up, MLP down; Dgrad swaps n and k,
+    Wgrad contracts over the tokens."""
+    fprop = [(tokens, 3 * hidden, hidden), (tokens, hidden, hidden), (tokens, inner, hidden), (tokens, hidden, inner)]
+    return fprop + [(m, k, n) for m, n, k in fprop] + [(k, n, m) for m, n, k in fprop]
+
+
+def te_fp8_speedups(reference: Path) -> list[tuple[str, float, float]]:
+    """(recipe, measured per-layer GEMM speed-up over BF16, op-model speed-up) for the autocast rows of the
+    TransformerEngine table. The op model runs at the H100 SXM benchmark clocks (the H200's SM90 compute; the
+    table's H200 NVL is power-limited), so only the ratio is compared; it has one FP8 curve for every recipe."""
+    rows = {r["recipe"]: float(r["layer_ms"]) for r in _csv(reference / "te_h200nvl_gemm_layer.csv")
+            if r["mode"] == "autocast"}
+    h100 = CATALOG["H100-SXM"]
+    bf16, fp8 = benchmark_device(h100, "bf16"), benchmark_device(h100, "fp8")
+    shapes = te_layer_gemm_shapes()
+    predicted = (sum(2 * m * n * k / gemm_tflops(bf16, m, n, k) for m, n, k in shapes)
+                 / sum(2 * m * n * k / gemm_tflops(fp8, m, n, k, 1, True) for m, n, k in shapes))
+    return [(recipe, rows["bf16"] / ms, predicted) for recipe, ms in rows.items() if recipe != "bf16"]
+
+
 def moe_lines(rows: list[dict]) -> list[str]:
     """Console lines for the MoE rows."""
     out = []
@@ -142,6 +164,11 @@ def section(reference: Path, rows: list[dict], titan: dict[str, list[dict]] | No
               "dense and MoE, do not change between 8 and 16 us per kernel; this row needs >= 14 us, i.e. an MoE "
               "layer whose ~550 launches a micro-batch, behind a host sync each, outlast its GPU work). One row "
               "does not set a stack constant, so `megatron-core` keeps 8 us and the row stays a miss."]
+    lines += ["", "FP8 GEMM speed-up over BF16 per layer (TransformerEngine GEMM profiling guide, H200 NVL, 12 GEMMs "
+              "of a hidden-4096 layer at 15,872 tokens, quantization included; op model at H100 SXM benchmark "
+              "clocks, one FP8 curve for every scaling recipe):", "", "| recipe | measured | op model |", "|---|---|---|"]
+    lines += [f"| {recipe} | {measured:.2f}x | {predicted:.2f}x |" for recipe, measured, predicted
+              in te_fp8_speedups(reference)]
     if titan:
         lines += torchtitan_section(titan)
     return "\n".join(lines) + "\n"
