@@ -402,6 +402,9 @@ def main() -> int:
     for recipe, measured, predicted in validation_moe.te_fp8_speedups(ROOT / "bench" / "reference"):
         print(f"TransformerEngine H200 NVL layer GEMMs {recipe:<13} speed-up over BF16 measured {measured:.2f}x, "
               f"op model {predicted:.2f}x")
+    for row in validation_moe.deepseek_v3_rows(ROOT / "bench" / "reference"):
+        print(f"deepseek-v3 report: {row['measured']:.0f} tokens/s/GPU on {row['gpus']} {row['device']} "
+              f"({row['layout']})")
     titan_more = validation_moe.torchtitan_table_rows(ROOT / "bench" / "reference")
     for name, rows in titan_more.items():
         print("\n".join(validation_moe.torchtitan_lines(name, rows)))

@@ -101,6 +101,14 @@ def torchtitan_table_rows(reference: Path) -> dict[str, list[dict]]:
     return {name: torchtitan_rows(reference / name) for name in TORCHTITAN_TABLES}
 
 
+def deepseek_v3_rows(reference: Path) -> list[dict]:
+    """The DeepSeek-V3 report's pre-training throughput (bench/reference/deepseek_v3_h800.csv): tokens/s per GPU
+    = 1e12 tokens / (GPU-hours per trillion tokens x 3600 s). Reported for the record: no Plan expresses it."""
+    return [{**row, "measured": 1e12 / (float(row["gpu_hours_per_trillion_tokens"]) * 3600), "predicted": None,
+             "modelled": False, "layout": row["note"].split(";")[0]}
+            for row in _csv(reference / "deepseek_v3_h800.csv")]
+
+
 def megatron_moe_table_rows(reference: Path) -> list[dict]:
     """The rows of every MEGATRON_TABLES file, in order (the MoE target counts the modelled ones)."""
     from reference_rows import megatron_moe_rows
@@ -114,7 +122,7 @@ def dev_set_tables(reference: Path) -> dict[str, list[dict]]:
     from reference_rows import megatron_moe_rows
 
     return {**{name: megatron_moe_rows(reference / name) for name in MEGATRON_TABLES},
-            **torchtitan_table_rows(reference)}
+            **torchtitan_table_rows(reference), "deepseek_v3_h800.csv": deepseek_v3_rows(reference)}
 
 
 def moe_summary(rows: list[dict]) -> str:
@@ -148,8 +156,8 @@ def section(reference: Path, rows: list[dict], titan: dict[str, list[dict]] | No
     lines += ["", "MoE development set: Megatron-Core on H100 (Megatron-MoE-ModelZoo, Qwen3-235B-A22B on 256 "
               "GPUs, sequence 4096 and 16K-128K; rows reported as TFLOP/s only converted to tokens/s with Megatron's "
               "FLOPs count, `reference_rows.megatron_flops_per_token`), predicted with the `megatron-core` stack "
-              "(DeepEP rows with `moe_dispatch_per_node`: one network copy per destination node). Target: every modelled "
-              "row within 15% of tokens/s.", "",
+              "(DeepEP rows with `moe_dispatch_per_node`: one network copy per destination node). Target: every "
+              "modelled row within 15% of tokens/s.", "",
               "| seq | layout | dispatcher | measured tokens/s/GPU | predicted | error | note |",
               "|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -166,9 +174,14 @@ def section(reference: Path, rows: list[dict], titan: dict[str, list[dict]] | No
               "does not set a stack constant, so `megatron-core` keeps 8 us and the row stays a miss."]
     lines += ["", "FP8 GEMM speed-up over BF16 per layer (TransformerEngine GEMM profiling guide, H200 NVL, 12 GEMMs "
               "of a hidden-4096 layer at 15,872 tokens, quantization included; op model at H100 SXM benchmark "
-              "clocks, one FP8 curve for every scaling recipe):", "", "| recipe | measured | op model |", "|---|---|---|"]
+              "clocks, one FP8 curve for every scaling recipe):", "", "| recipe | measured | op model |",
+              "|---|---|---|"]
     lines += [f"| {recipe} | {measured:.2f}x | {predicted:.2f}x |" for recipe, measured, predicted
               in te_fp8_speedups(reference)]
+    for row in deepseek_v3_rows(reference):
+        lines += ["", f"DeepSeek-V3 pre-training (report, 2,048 H800, FP8, pp16 DualPipe, ep64, ZeRO-1 dp128): "
+                  f"{row['gpu_hours_per_trillion_tokens']} GPU-hours per trillion tokens = {row['measured']:.0f} "
+                  f"tokens/s per GPU, reported only ({row['layout']})."]
     if titan:
         lines += torchtitan_section(titan)
     return "\n".join(lines) + "\n"
