@@ -17,7 +17,7 @@ MOE_TARGET = 0.15  # every modelled dev-set MoE row within 15% of tokens/s
 # optional columns `float8_recipe` and `device` (bench/reference/README.md).
 TORCHTITAN_TABLES = ("torchtitan_asynctp_h100.csv", "torchtitan_h200.csv")
 # Megatron-Core MoE tables, read by reference_rows.megatron_moe_rows (TFLOP/s-only rows through Megatron's FLOPs).
-MEGATRON_TABLES = ("megatron_moe_h100.csv", "megatron_moe_long_h100.csv")
+MEGATRON_TABLES = ("megatron_moe_h100.csv", "megatron_moe_long_h100.csv", "megatron_moe_folding_h100.csv")
 
 
 def _csv(path: Path) -> list[dict]:
@@ -76,7 +76,8 @@ def moe_lines(rows: list[dict]) -> list[str]:
             out.append(f"megatron-moe {row['model']} {row['note']}: not modelled ({row['layout']})")
             continue
         error = row["predicted"] / row["measured"] - 1
-        out.append(f"megatron-moe {row['model']} s={row['seq_len']:<6} {row['dispatcher']:<8} {row['layout']:<62} "
+        out.append(f"megatron-moe {row['model']:<18} s={row['seq_len']:<6} {row['dispatcher'] or '-':<8} "
+                   f"{row['layout']:<62} "
                    f"tokens/s/GPU measured "
                    f"{row['measured']:6.0f} predicted {row['predicted']:6.0f} ({error:+.0%})"
                    + ("" if row["modelled"] else f"  [{row['note']}]"))
@@ -153,19 +154,23 @@ def section(reference: Path, rows: list[dict], titan: dict[str, list[dict]] | No
     for name, errors in kernel_errors(reference).items():
         lines.append(f"| {name} | {len(errors)} | {statistics.fmean(map(abs, errors)):.1%} | "
                      f"{max(errors, key=abs):+.1%} |")
-    lines += ["", "MoE development set: Megatron-Core on H100 (Megatron-MoE-ModelZoo, Qwen3-235B-A22B on 256 "
-              "GPUs, sequence 4096 and 16K-128K; rows reported as TFLOP/s only converted to tokens/s with Megatron's "
-              "FLOPs count, `reference_rows.megatron_flops_per_token`), predicted with the `megatron-core` stack "
+    lines += ["", "MoE development set: Megatron-Core on H100: Megatron-MoE-ModelZoo (Qwen3-235B-A22B on 256 "
+              "GPUs, sequence 4096 and 16K-128K) and the MoE Parallel Folding paper's Tables 3-5 (Mixtral-8x22B, "
+              "Qwen2-57B-A14B, Mixtral-8x22B-G8T8 on 64-1024 GPUs; their micro batch, vpp and recompute are not "
+              "stated, so the fastest plan that fits). Rows reported as TFLOP/s or MFU only are converted to "
+              "tokens/s with Megatron's FLOPs count (`reference_rows.megatron_flops_per_token`), predicted with the `megatron-core` stack "
               "(DeepEP rows with `moe_dispatch_per_node`: one network copy per destination node). Target: every "
               "modelled row within 15% of tokens/s.", "",
-              "| seq | layout | dispatcher | measured tokens/s/GPU | predicted | error | note |",
-              "|---|---|---|---|---|---|---|"]
+              "| model | seq | layout | dispatcher | measured tokens/s/GPU | predicted | error | note |",
+              "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if row["predicted"] is None:
-            lines.append(f"| {row['seq_len']} | (not expressible: {row['layout']}) | {row['dispatcher']} | "
+            lines.append(f"| {row['model']} | {row['seq_len']} | (not expressible: {row['layout']}) | "
+                         f"{row['dispatcher']} | "
                          f"{row['measured']:.0f} | - | - | {row['note']} |")
             continue
-        lines.append(f"| {row['seq_len']} | {row['layout']} | {row['dispatcher']} | {row['measured']:.0f} | "
+        lines.append(f"| {row['model']} | {row['seq_len']} | {row['layout']} | {row['dispatcher']} | "
+                     f"{row['measured']:.0f} | "
                      f"{row['predicted']:.0f} | {row['predicted'] / row['measured'] - 1:+.1%} | {row['note'] or ''} |")
     lines += ["", moe_summary(rows) + ". The miss is tp4 ep8 etp1 pp8 (vpp4, 1024 tokens per rank and micro-batch): "
               "of every term only the stack's CPU seconds per kernel moves it (the other 11 Megatron-Core rows, "

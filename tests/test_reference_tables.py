@@ -104,3 +104,27 @@ def test_transformer_engine_table_is_consistent_with_the_ratios_its_guide_states
     assert len(shapes) == 12
     # 3 passes x 2 x M x (4096 * 12288 + 4096 * 4096 + 2 * 4096 * 16384) FLOPs per layer
     assert sum(2 * m * n * k for m, n, k in shapes) == 3 * 2 * 15872 * 4096 * (12288 + 4096 + 2 * 16384)
+
+
+def test_reference_models_have_their_published_sizes() -> None:
+    """The dev-set MoE models that are not presets (reference_rows.REFERENCE_MODELS) have the sizes their names
+    and model cards state: Mixtral 8x22B 141B total / 39B active (Mistral AI), Qwen2-57B-A14B 57B / 14B, and
+    G8T8 keeps Mixtral's total with 8 of 64 experts of 1/8 width active (the same 2 x 16384 active width)."""
+    from reference_rows import REFERENCE_MODELS
+
+    sizes = {name: (round(m.num_params() / 1e9), round(m.active_params_per_token() / 1e9))
+             for name, m in REFERENCE_MODELS.items()}
+    assert sizes == {"mixtral-8x22b": (141, 39), "mixtral-8x22b-g8t8": (141, 22), "qwen2-57b-a14b": (57, 14)}
+
+
+def test_mfu_rows_become_tokens_through_megatrons_count() -> None:
+    """A row that reports only MFU: tokens/s per GPU = MFU x 989.5 TFLOP/s / Megatron's FLOPs per token."""
+    from reference_rows import REFERENCE_MODELS, measured_tokens_per_s, megatron_flops_per_token
+
+    row = {"model": "mixtral-8x22b", "seq_len": "4096", "gpus": "128", "global_batch": "256", "step_time_s": "",
+           "tflops_per_gpu": "", "mfu_pct": "49.3"}
+    flops = megatron_flops_per_token(REFERENCE_MODELS["mixtral-8x22b"], 4096)
+    # by hand: 56 layers of 2*6144*(6144+2*1024) + 2*6144*6144 + 2*4096*6144 + 2*3*6144*16384*2, logits 2*6144*32000
+    layer = 2 * 6144 * 8192 + 2 * 6144 * 6144 + 2 * 4096 * 6144 + 12 * 6144 * 16384
+    assert flops == 3 * (56 * layer + 2 * 6144 * 32000)
+    assert abs(measured_tokens_per_s(row) / (0.493 * 989.5e12 / flops) - 1) < 1e-12
