@@ -158,7 +158,8 @@ def section(reference: Path, rows: list[dict], titan: dict[str, list[dict]] | No
               "GPUs, sequence 4096 and 16K-128K) and the MoE Parallel Folding paper's Tables 3-5 (Mixtral-8x22B, "
               "Qwen2-57B-A14B, Mixtral-8x22B-G8T8 on 64-1024 GPUs; their micro batch, vpp and recompute are not "
               "stated, so the fastest plan that fits). Rows reported as TFLOP/s or MFU only are converted to "
-              "tokens/s with Megatron's FLOPs count (`reference_rows.megatron_flops_per_token`), predicted with the `megatron-core` stack "
+              "tokens/s with Megatron's FLOPs count (`reference_rows.megatron_flops_per_token`), predicted with the "
+              "`megatron-core` stack "
               "(DeepEP rows with `moe_dispatch_per_node`: one network copy per destination node). Target: every "
               "modelled row within 15% of tokens/s.", "",
               "| model | seq | layout | dispatcher | measured tokens/s/GPU | predicted | error | note |",
