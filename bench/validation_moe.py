@@ -16,6 +16,8 @@ MOE_TARGET = 0.15  # every modelled dev-set MoE row within 15% of tokens/s
 # Further TorchTitan tables (FP8 recipes, async TP, H200), read like shared/reference/torchtitan_h100.csv with the
 # optional columns `float8_recipe` and `device` (bench/reference/README.md).
 TORCHTITAN_TABLES = ("torchtitan_asynctp_h100.csv", "torchtitan_h200.csv")
+# Megatron-Core MoE tables, read by reference_rows.megatron_moe_rows (TFLOP/s-only rows through Megatron's FLOPs).
+MEGATRON_TABLES = ("megatron_moe_h100.csv", "megatron_moe_long_h100.csv", "megatron_moe_folding_h100.csv")
 
 
 def _csv(path: Path) -> list[dict]:
@@ -44,6 +46,28 @@ def kernel_errors(reference: Path) -> dict[str, list[float]]:
     return out
 
 
+def te_layer_gemm_shapes(tokens: int = 31 * 512, hidden: int = 4096, inner: int = 16384) -> list[tuple[int, int, int]]:
+    """(m, n, k) of the 12 GEMMs of one layer as TransformerEngine's benchmarks/gemm/benchmark_gemm.py derives
+    them (bench/reference/te_h200nvl_gemm_layer.csv): QKV, attention out, MLP up, MLP down; Dgrad swaps n and k,
+    Wgrad contracts over the tokens."""
+    fprop = [(tokens, 3 * hidden, hidden), (tokens, hidden, hidden), (tokens, inner, hidden), (tokens, hidden, inner)]
+    return fprop + [(m, k, n) for m, n, k in fprop] + [(k, n, m) for m, n, k in fprop]
+
+
+def te_fp8_speedups(reference: Path) -> list[tuple[str, float, float]]:
+    """(recipe, measured per-layer GEMM speed-up over BF16, op-model speed-up) for the autocast rows of the
+    TransformerEngine table. The op model runs at the H100 SXM benchmark clocks (the H200's SM90 compute; the
+    table's H200 NVL is power-limited), so only the ratio is compared; it has one FP8 curve for every recipe."""
+    rows = {r["recipe"]: float(r["layer_ms"]) for r in _csv(reference / "te_h200nvl_gemm_layer.csv")
+            if r["mode"] == "autocast"}
+    h100 = CATALOG["H100-SXM"]
+    bf16, fp8 = benchmark_device(h100, "bf16"), benchmark_device(h100, "fp8")
+    shapes = te_layer_gemm_shapes()
+    predicted = (sum(2 * m * n * k / gemm_tflops(bf16, m, n, k) for m, n, k in shapes)
+                 / sum(2 * m * n * k / gemm_tflops(fp8, m, n, k, 1, True) for m, n, k in shapes))
+    return [(recipe, rows["bf16"] / ms, predicted) for recipe, ms in rows.items() if recipe != "bf16"]
+
+
 def moe_lines(rows: list[dict]) -> list[str]:
     """Console lines for the MoE rows."""
     out = []
@@ -52,7 +76,9 @@ def moe_lines(rows: list[dict]) -> list[str]:
             out.append(f"megatron-moe {row['model']} {row['note']}: not modelled ({row['layout']})")
             continue
         error = row["predicted"] / row["measured"] - 1
-        out.append(f"megatron-moe {row['model']} {row['dispatcher']:<8} {row['layout']:<58} tokens/s/GPU measured "
+        out.append(f"megatron-moe {row['model']:<18} s={row['seq_len']:<6} {row['dispatcher'] or '-':<8} "
+                   f"{row['layout']:<62} "
+                   f"tokens/s/GPU measured "
                    f"{row['measured']:6.0f} predicted {row['predicted']:6.0f} ({error:+.0%})"
                    + ("" if row["modelled"] else f"  [{row['note']}]"))
     return out
@@ -76,13 +102,28 @@ def torchtitan_table_rows(reference: Path) -> dict[str, list[dict]]:
     return {name: torchtitan_rows(reference / name) for name in TORCHTITAN_TABLES}
 
 
+def deepseek_v3_rows(reference: Path) -> list[dict]:
+    """The DeepSeek-V3 report's pre-training throughput (bench/reference/deepseek_v3_h800.csv): tokens/s per GPU
+    = 1e12 tokens / (GPU-hours per trillion tokens x 3600 s). Reported for the record: no Plan expresses it."""
+    return [{**row, "measured": 1e12 / (float(row["gpu_hours_per_trillion_tokens"]) * 3600), "predicted": None,
+             "modelled": False, "layout": row["note"].split(";")[0]}
+            for row in _csv(reference / "deepseek_v3_h800.csv")]
+
+
+def megatron_moe_table_rows(reference: Path) -> list[dict]:
+    """The rows of every MEGATRON_TABLES file, in order (the MoE target counts the modelled ones)."""
+    from reference_rows import megatron_moe_rows
+
+    return [row for name in MEGATRON_TABLES for row in megatron_moe_rows(reference / name)]
+
+
 def dev_set_tables(reference: Path) -> dict[str, list[dict]]:
     """Every training table of bench/reference/ (those with a `source` column), each read and predicted by its
     own reader; tests/test_reference_tables.py checks that no such table is left without one."""
     from reference_rows import megatron_moe_rows
 
-    return {"megatron_moe_h100.csv": megatron_moe_rows(reference / "megatron_moe_h100.csv"),
-            **torchtitan_table_rows(reference)}
+    return {**{name: megatron_moe_rows(reference / name) for name in MEGATRON_TABLES},
+            **torchtitan_table_rows(reference), "deepseek_v3_h800.csv": deepseek_v3_rows(reference)}
 
 
 def moe_summary(rows: list[dict]) -> str:
@@ -113,22 +154,40 @@ def section(reference: Path, rows: list[dict], titan: dict[str, list[dict]] | No
     for name, errors in kernel_errors(reference).items():
         lines.append(f"| {name} | {len(errors)} | {statistics.fmean(map(abs, errors)):.1%} | "
                      f"{max(errors, key=abs):+.1%} |")
-    lines += ["", "MoE development set: Megatron-Core on H100 (Megatron-MoE-ModelZoo, Qwen3-235B-A22B on 256 "
-              "GPUs), predicted with the `megatron-core` stack (DeepEP rows with `moe_dispatch_per_node`: one "
-              "network copy per destination node). Target: every modelled row within 15% of tokens/s.", "",
-              "| layout | dispatcher | measured tokens/s/GPU | predicted | error | note |", "|---|---|---|---|---|---|"]
+    lines += ["", "MoE development set: Megatron-Core on H100: Megatron-MoE-ModelZoo (Qwen3-235B-A22B on 256 "
+              "GPUs, sequence 4096 and 16K-128K) and the MoE Parallel Folding paper's Tables 3-5 (Mixtral-8x22B, "
+              "Qwen2-57B-A14B, Mixtral-8x22B-G8T8 on 64-1024 GPUs; their micro batch, vpp and recompute are not "
+              "stated, so the fastest plan that fits). Rows reported as TFLOP/s or MFU only are converted to "
+              "tokens/s with Megatron's FLOPs count (`reference_rows.megatron_flops_per_token`), predicted with the "
+              "`megatron-core` stack "
+              "(DeepEP rows with `moe_dispatch_per_node`: one network copy per destination node). Target: every "
+              "modelled row within 15% of tokens/s.", "",
+              "| model | seq | layout | dispatcher | measured tokens/s/GPU | predicted | error | note |",
+              "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if row["predicted"] is None:
-            lines.append(f"| (not expressible: {row['layout']}) | {row['dispatcher']} | {row['measured']:.0f} | - | - "
-                         f"| {row['note']} |")
+            lines.append(f"| {row['model']} | {row['seq_len']} | (not expressible: {row['layout']}) | "
+                         f"{row['dispatcher']} | "
+                         f"{row['measured']:.0f} | - | - | {row['note']} |")
             continue
-        lines.append(f"| {row['layout']} | {row['dispatcher']} | {row['measured']:.0f} | {row['predicted']:.0f} | "
-                     f"{row['predicted'] / row['measured'] - 1:+.1%} | {row['note'] or ''} |")
+        lines.append(f"| {row['model']} | {row['seq_len']} | {row['layout']} | {row['dispatcher']} | "
+                     f"{row['measured']:.0f} | "
+                     f"{row['predicted']:.0f} | {row['predicted'] / row['measured'] - 1:+.1%} | {row['note'] or ''} |")
     lines += ["", moe_summary(rows) + ". The miss is tp4 ep8 etp1 pp8 (vpp4, 1024 tokens per rank and micro-batch): "
               "of every term only the stack's CPU seconds per kernel moves it (the other 11 Megatron-Core rows, "
               "dense and MoE, do not change between 8 and 16 us per kernel; this row needs >= 14 us, i.e. an MoE "
               "layer whose ~550 launches a micro-batch, behind a host sync each, outlast its GPU work). One row "
               "does not set a stack constant, so `megatron-core` keeps 8 us and the row stays a miss."]
+    lines += ["", "FP8 GEMM speed-up over BF16 per layer (TransformerEngine GEMM profiling guide, H200 NVL, 12 GEMMs "
+              "of a hidden-4096 layer at 15,872 tokens, quantization included; op model at H100 SXM benchmark "
+              "clocks, one FP8 curve for every scaling recipe):", "", "| recipe | measured | op model |",
+              "|---|---|---|"]
+    lines += [f"| {recipe} | {measured:.2f}x | {predicted:.2f}x |" for recipe, measured, predicted
+              in te_fp8_speedups(reference)]
+    for row in deepseek_v3_rows(reference):
+        lines += ["", f"DeepSeek-V3 pre-training (report, 2,048 H800, FP8, pp16 DualPipe, ep64, ZeRO-1 dp128): "
+                  f"{row['gpu_hours_per_trillion_tokens']} GPU-hours per trillion tokens = {row['measured']:.0f} "
+                  f"tokens/s per GPU, reported only ({row['layout']})."]
     if titan:
         lines += torchtitan_section(titan)
     return "\n".join(lines) + "\n"
