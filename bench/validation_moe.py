@@ -173,11 +173,11 @@ def section(reference: Path, rows: list[dict], titan: dict[str, list[dict]] | No
         lines.append(f"| {row['model']} | {row['seq_len']} | {row['layout']} | {row['dispatcher']} | "
                      f"{row['measured']:.0f} | "
                      f"{row['predicted']:.0f} | {row['predicted'] / row['measured'] - 1:+.1%} | {row['note'] or ''} |")
-    lines += ["", moe_summary(rows) + ". The miss is tp4 ep8 etp1 pp8 (vpp4, 1024 tokens per rank and micro-batch): "
-              "of every term only the stack's CPU seconds per kernel moves it (the other 11 Megatron-Core rows, "
-              "dense and MoE, do not change between 8 and 16 us per kernel; this row needs >= 14 us, i.e. an MoE "
-              "layer whose ~550 launches a micro-batch, behind a host sync each, outlast its GPU work). One row "
-              "does not set a stack constant, so `megatron-core` keeps 8 us and the row stays a miss."]
+    lines += ["", moe_summary(rows) + ". Qwen3-235B-A22B tp4 pp8 ep8 (vpp 4, 1024 tokens per rank and "
+              "micro-batch) was +70% with 8 us per op: its MoE layers are launch-bound, so it moves with the CPU "
+              "seconds per op (now TransformerEngine issue #2053's 13.5 us for one Python-issued op on a DGX H100: "
+              "+16%) and with the run-ahead the host sync ends (`passwork.synced_forward`: +9%); the dense and "
+              "GPU-bound MoE rows do not move (docs/predictions.md, \"MoE, term by term\")."]
     lines += ["", "FP8 GEMM speed-up over BF16 per layer (TransformerEngine GEMM profiling guide, H200 NVL, 12 GEMMs "
               "of a hidden-4096 layer at 15,872 tokens, quantization included; op model at H100 SXM benchmark "
               "clocks, one FP8 curve for every scaling recipe):", "", "| recipe | measured | op model |",
