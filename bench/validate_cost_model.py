@@ -420,8 +420,8 @@ def main() -> int:
     if args.write:
         pictures = report.write_plots(args.write.parent / "images")
         write_section(args.write, markdown(vtrain, core, bubble, kort, simulated, report, pictures))
-        write_section(args.write, validation_moe.section(ROOT / "bench" / "reference", moe, titan_more),
-                      validation_moe.HEADING)
+        moe_section = validation_moe.section(ROOT / "bench" / "reference", moe, titan_more, args.write.parent / "images")
+        write_section(args.write, moe_section, validation_moe.HEADING)
         print(f"wrote {args.write}")
     print(f"({time.perf_counter() - started:.1f} s)")
     return 0

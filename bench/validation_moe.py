@@ -146,7 +146,38 @@ def torchtitan_section(tables: dict[str, list[dict]]) -> list[str]:
     return lines
 
 
-def section(reference: Path, rows: list[dict], titan: dict[str, list[dict]] | None = None) -> str:
+def write_residual_plot(folder: Path, rows: list[dict]) -> str:
+    """The modelled MoE rows' residuals (predicted / measured - 1) against measured tokens/s, one colour per
+    source, with the 15% target; the PNG's file name."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    fig, axis = plt.subplots(figsize=(7, 3.6))
+    sources = sorted({row["source"].split(" (")[0] for row in rows})
+    for index, source in enumerate(sources):
+        kept = [r for r in rows if r["modelled"] and r["predicted"] and r["source"].split(" (")[0] == source]
+        axis.scatter([r["measured"] for r in kept], [100 * (r["predicted"] / r["measured"] - 1) for r in kept],
+                     s=12, color=f"C{index}", label=source[:60])
+    for level in (-15, 0, 15):
+        axis.axhline(level, color="black", linewidth=0.8 if level == 0 else 0.5, linestyle="-" if level == 0 else ":")
+    axis.set_xscale("log")
+    axis.set_xlabel("measured tokens/s per GPU")
+    axis.set_ylabel("predicted / measured - 1 (%)")
+    axis.set_title("MoE development set (megatron-core stack, H100)", fontsize=10)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7)
+    fig.tight_layout()
+    file = "residuals-megatron-moe-tokens.png"
+    fig.savefig(folder / file, dpi=90)
+    plt.close(fig)
+    return file
+
+
+def section(reference: Path, rows: list[dict], titan: dict[str, list[dict]] | None = None,
+            images: Path | None = None) -> str:
     lines = [HEADING, "", "Produced by `bench/validate_cost_model.py --write docs/validation.md` with the tables in "
              "`bench/reference/` (sources in its README). Kernels: the op model of `cost/compute.py` at the "
              "tables' benchmark clocks (`cost/kernels.py`), row by row (`tests/test_cost_kernels.py`).", "",
@@ -178,6 +209,9 @@ def section(reference: Path, rows: list[dict], titan: dict[str, list[dict]] | No
               "seconds per op (now TransformerEngine issue #2053's 13.5 us for one Python-issued op on a DGX H100: "
               "+16%) and with the run-ahead the host sync ends (`passwork.synced_forward`: +9%); the dense and "
               "GPU-bound MoE rows do not move (docs/predictions.md, \"MoE, term by term\")."]
+    if images is not None:
+        file = write_residual_plot(images, rows)
+        lines += ["", f"![{file}](images/{file})"]
     lines += ["", "FP8 GEMM speed-up over BF16 per layer (TransformerEngine GEMM profiling guide, H200 NVL, 12 GEMMs "
               "of a hidden-4096 layer at 15,872 tokens, quantization included; op model at H100 SXM benchmark "
               "clocks, one FP8 curve for every scaling recipe):", "", "| recipe | measured | op model |",
