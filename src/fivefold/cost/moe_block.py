@@ -72,8 +72,7 @@ class MoETokens(NamedTuple):
     """How one rank's MoE block sees its tokens under MoE parallel folding (spec/folding.py)."""
 
     routed: int  # tokens this rank routes: router, permutes, the ep all-to-all, the shared experts
-    gathered: int  # ways the etp group gathers the dispatched copies before the experts (1: none, or gathered
-    #                before routing: already in `routed`)
+    gathered: int  # ways the etp group gathers the dispatched copies after the all-to-all (1: none)
     split: int  # ways each routed expert's width is split (etp)
     shared_split: int  # ways the shared experts' width is split
 
