@@ -90,3 +90,21 @@ def test_megatron_core_routes_its_own_tokens_and_gathers_the_received_copies_ove
     rows = copies * 2 * QWEN.hidden * 2
     exchange = all_gather_time(rows, env.etp) + reduce_scatter_time(rows, env.etp)
     assert exchange > 0 and work.forward_comm["tp"] == pytest.approx(exchange)
+
+
+def test_a_profiled_cpu_rank_loses_no_run_ahead_at_the_sync() -> None:
+    # A CPU rank with measured host costs computes what it issues: cost/host.py charges its host work in series,
+    # so the dispatcher's sync marks no split there (the round trip is still charged).
+    from fivefold.spec.cluster import HostCosts
+
+    split = moe_tokens(4096, 1, 1, False, False)
+    device = Device(CATALOG["H100-SXM"], "bf16")
+    layout = Layout.of_plan(Plan(model=QWEN, cluster=parse_cluster("1x8xH100-SXM"),
+                                 train=TrainSpec(seq_len=4096, global_batch=8), dp=8, ep=8))
+    link = rank_envs(layout, topology_of(layout.cluster))[0].ep
+    for host, marked in ((None, True), (HostCosts(op_forward=5e-6), False)):
+        device.host = host
+        work = PassWork()
+        moe_mlp(work, QWEN, split, 8, 1.0, device, STACK, link)
+        assert (work.synced_at is not None) == marked
+        assert work.host_wait > 0
