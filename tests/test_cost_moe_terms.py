@@ -78,6 +78,30 @@ def test_expert_gemms_run_at_the_grouped_efficiency_of_the_tokens_each_expert_ge
     assert _terms(_plan(fine))[0].experts > 1.2 * terms.experts  # (the down GEMM's K: 768 -> 192)
 
 
+def test_fivefold_stack_prices_a_gemm_per_expert_as_its_python_loop_runs_them():
+    """models/moe.py GroupedExperts: for each local expert, chunk @ w1.T, chunk @ w3.T, the SwiGLU product and
+    @ w2.T on that expert's rows, one expert after the other on one stream."""
+    fivefold = stack_named("fivefold")
+    assert (fivefold.grouped_gemm_streams, fivefold.expert_gate_separate) == (1, True)
+    terms, env = _terms(_plan(), fivefold)
+    device, f, h = env.device, QWEN.expert_ffn_hidden, QWEN.hidden
+    rows, local = 4096 * 8 * 8 // 128, 16  # 2048 rows for each of the 16 local experts
+    gate = gemm_time(device, rows, f, h) + gemm_time(device, rows, h, f) + gemm_time(device, h, f, rows)
+    down = gemm_time(device, rows, h, f) + gemm_time(device, rows, f, h) + gemm_time(device, f, h, rows)
+    product = elementwise_time(device, rows * f * 3 * 2) + elementwise_time(device, rows * f * 5 * 2)
+    assert terms.experts == pytest.approx(local * (2 * gate + product + down), rel=1e-9)
+    # One launch per expert costs more than one grouped launch of the same rows (fewer tiles per wave).
+    grouped = _terms(_plan(), dataclasses.replace(fivefold, grouped_gemm_streams=0, expert_gate_separate=False))[0]
+    assert terms.experts > 1.05 * grouped.experts
+    # An odd stream count: full groups of 3 experts side by side, then the last expert alone.
+    three = _terms(_plan(), dataclasses.replace(fivefold, grouped_gemm_streams=3, expert_gate_separate=False))[0]
+    batch = [gemm_time(device, rows, 2 * f, h, b) + gemm_time(device, rows, h, 2 * f, b)
+             + gemm_time(device, h, 2 * f, rows, b) + gemm_time(device, rows, h, f, b) + gemm_time(device, rows, f, h, b)
+             + gemm_time(device, f, h, rows, b) + elementwise_time(device, b * rows * f * 6)
+             + elementwise_time(device, b * rows * f * 10) for b in (3, 1)]
+    assert three.experts == pytest.approx(5 * batch[0] + batch[1], rel=1e-9)
+
+
 def test_shared_experts_are_a_dense_mlp_on_every_token():
     model = dataclasses.replace(QWEN, shared_experts=1)
     terms, env = _terms(_plan(model))

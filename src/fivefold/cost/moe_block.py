@@ -15,8 +15,9 @@ mean; every other rank waits for it at the combine):
   (HOST_SYNC_SECONDS plus those kernels' issue time); backward reuses the counts;
 - all-to-all: the counts exchanged (a small all-to-all of experts x 8 bytes), then dispatch and combine of
   every routed copy forward, and both again backward, on the ep group's slowest link;
-- experts: experts / ep local experts as one grouped GEMM each for the up (gate) and down projections, at the
-  tile efficiency of the rows each local expert actually gets (cost/kernels.py), and the activation;
+- experts: experts / ep local experts as one grouped GEMM each for the up (gate) and down projections, or a GEMM
+  per expert as the stack launches them (expert_gemms), at the tile efficiency of the rows each local expert
+  actually gets (cost/kernels.py), and the activation;
 - shared experts: a dense MLP of width shared_experts x expert_ffn_hidden on every token.
 Kernel launches: an eager MoE block issues the ops counted on fivefold's block (cost/moe.py moe_block_ops:
 routing, sorting, gathers, a GEMM pair per local expert, the shared experts); a fine-grained model with many
@@ -25,12 +26,12 @@ local experts becomes launch-bound when the stack's seconds per kernel times tho
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from fivefold.cost.comm import GroupLink, all_gather_time, all_reduce_time, all_to_all_time, reduce_scatter_time
 from fivefold.cost.compute import Device
 from fivefold.cost.moe import all_to_all_bytes, moe_block_ops, routed_rows
-from fivefold.cost.passwork import PassWork, mlp
+from fivefold.cost.passwork import PassWork, fp8_linear, mlp
 from fivefold.cost.stack import SoftwareStack
 from fivefold.spec.model import ModelSpec
 
@@ -111,16 +112,49 @@ def expert_gemms(work: PassWork, device: Device, stack: SoftwareStack, rows: int
                  swiglu: bool, experts: int) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
     """The local experts' MLPs: one grouped launch whose tiles share the waves (stack.grouped_gemm_streams 0), or
     one GEMM per expert with `streams` of them running side by side (Transformer Engine's GroupedLinear:
-    nvte_multi_stream_cublas_gemm issues a cuBLAS GEMM per expert over its compute streams), so only the tiles of
-    `streams` experts share a wave. Same FLOPs; the difference is the wave quantization of few rows per expert."""
+    nvte_multi_stream_cublas_gemm issues a cuBLAS GEMM per expert over its compute streams; fivefold's
+    GroupedExperts: one expert after the other on one stream), so only the tiles of `streams` experts share a
+    wave. Same FLOPs; the difference is the wave quantization of few rows per expert. Every expert has the same
+    rows here, so a group of `streams` experts is costed once and counted as often as it runs."""
     streams = stack.grouped_gemm_streams
-    if streams <= 0 or streams >= experts:
+    if streams <= 0 or (streams >= experts and not stack.expert_gate_separate):
         return mlp(work, device, stack, rows, hidden, width, swiglu, experts)
-    sums = [0.0] * 6
-    for size in [streams] * (experts // streams) + ([experts % streams] if experts % streams else []):
-        up, down = mlp(work, device, stack, rows, hidden, width, swiglu, size)
-        sums = [a + b for a, b in zip(sums, (*up, *down))]
+    full, rest = divmod(experts, min(streams, experts))
+    sums = _repeated(work, full, lambda into: _expert_mlp(into, device, stack, rows, hidden, width, swiglu, streams))
+    if rest:
+        last = _repeated(work, 1, lambda into: _expert_mlp(into, device, stack, rows, hidden, width, swiglu, rest))
+        sums = [a + b for a, b in zip(sums, last)]
     return (sums[0], sums[1], sums[2]), (sums[3], sums[4], sums[5])
+
+
+def _expert_mlp(work: PassWork, device: Device, stack: SoftwareStack, rows: int, hidden: int, width: int,
+                swiglu: bool, side_by_side: int) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """`side_by_side` experts' MLPs launched together; with stack.expert_gate_separate a SwiGLU expert's gate and
+    up projections are two GEMMs of `width` columns (fivefold's GroupedExperts: chunk @ w1.T, chunk @ w3.T), not
+    one of 2 x width, so each fills its own waves."""
+    if not (swiglu and stack.expert_gate_separate):
+        return mlp(work, device, stack, rows, hidden, width, swiglu, side_by_side)
+    gate = fp8_linear(work, device, stack, rows, hidden, width, side_by_side)
+    up = fp8_linear(work, device, stack, rows, hidden, width, side_by_side)
+    e = device.element_bytes
+    work.elementwise(device, rows * side_by_side * width * 3 * e, rows * side_by_side * width * 5 * e)
+    down = fp8_linear(work, device, stack, rows, width, hidden, side_by_side)
+    return (gate[0] + up[0], gate[1] + up[1], gate[2] + up[2]), down
+
+
+def _repeated(work: PassWork, times: int, add: Callable[[PassWork], tuple[tuple[float, float, float],
+                                                                          tuple[float, float, float]]]) -> list[float]:
+    """Run `add` on a scratch PassWork and add its GPU seconds and kernels `times` over to `work` (the planner
+    would otherwise cost the same expert MLP once per local expert); its (up, down) GEMM times, summed."""
+    scratch = PassWork()
+    up, down = add(scratch)
+    work.forward += times * scratch.forward
+    work.linear_forward += times * scratch.linear_forward
+    work.backward_input += times * scratch.backward_input
+    work.backward_weight += times * scratch.backward_weight
+    work.forward_kernels += times * scratch.forward_kernels
+    work.backward_kernels += times * scratch.backward_kernels
+    return [times * seconds for seconds in (*up, *down)]
 
 
 def _seconds(work: PassWork) -> float:
@@ -174,7 +208,7 @@ def moe_mlp(work: PassWork, model: ModelSpec, split: MoETokens, ep: int, imbalan
     mark()
     # Launches: the dense MLP's (up, activation, down; five backward) plus what the eager MoE block adds.
     extra_forward, extra_backward = moe_block_ops(m, local_experts)
-    if stack.grouped_gemm_streams > 0 and device.fp8_gemm_peak > 0:  # Transformer Engine's FP8 GroupedLinear
+    if stack.grouped_gemm_streams > 1 and device.fp8_gemm_peak > 0:  # TE's multi-stream FP8 GroupedLinear
         extra_forward += TE_FP8_HOST_OPS_PER_EXPERT[0] * local_experts
         extra_backward += TE_FP8_HOST_OPS_PER_EXPERT[1] * local_experts
     work.forward_kernels = kernels[0] + 3 + extra_forward

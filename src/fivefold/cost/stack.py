@@ -110,8 +110,9 @@ class SoftwareStack:
     #                                          dispatched copies; router and shared-expert gradients summed over
     #                                          tp (runtime/expert_folding.py; cost/moe_block.py)
     moe_dispatch_syncs_host: bool = True  # MoE dispatch copies token counts to the host first (cost/moe_block.py)
-    grouped_gemm_streams: int = 0  # MoE experts: 0, one grouped GEMM launch; k, a GEMM per expert, k streams
-    #                                (Transformer Engine's GroupedLinear; cost/moe_block.py expert_gemms)
+    grouped_gemm_streams: int = 0  # MoE experts: 0, one grouped GEMM launch; k, a GEMM per expert, k streams (TE's
+    #                                GroupedLinear: 4; fivefold's GroupedExperts, a Python loop over experts: 1)
+    expert_gate_separate: bool = False  # SwiGLU experts launch gate and up as two GEMMs (fivefold's GroupedExperts)
     moe_dispatch_per_node: bool = False  # DeepEP: one network copy of a token per destination node, forwarded
     #                                      over NVLink to its experts there (cost/moe_block.py dispatch_time)
     features: Features = Features()  # what the software can run at all
@@ -169,13 +170,14 @@ STACKS: dict[str, SoftwareStack] = {
     # kernels are TorchTitan's eager ones (the same FSDP2 / DTensor / SDPA blocks without torch.compile): the
     # unfused element-wise traffic of eager_ops and SDPA's FlashAttention-2, the two terms that reproduce
     # TorchTitan's eager rows (Llama 3.1 8B, compile off: +0% and +4%, docs/validation.md); `--compile` fuses.
+    # Experts as models/moe.py runs them: a GEMM per expert, one after the other (cost/moe_block.py).
     "fivefold": SoftwareStack(name="fivefold", dropout=False, overlap_tp_backward=False, grad_reduce_bytes=4,
-                              fused_elementwise=False, sdpa_flash2=True,
-                              pipeline_keeps_outputs=True, optimizer_temporary_bytes=4.0,
-                              selective_saves_ops=True, selective_saves_every_matmul=True, loss_fp32_copies=3,
+                              fused_elementwise=False, sdpa_flash2=True, pipeline_keeps_outputs=True,
+                              optimizer_temporary_bytes=4.0, selective_saves_ops=True,
+                              selective_saves_every_matmul=True, loss_fp32_copies=3,
                               pipeline_returns_outputs=False, tp_gathers_logits=True, moe_splits_tokens_over_tp=True,
-                              pipeline_defers_grad_sync=True, zero2_reshards_after_backward=True,
-                              eager_host_costs=True, features=Features(
+                              grouped_gemm_streams=1, expert_gate_separate=True, pipeline_defers_grad_sync=True,
+                              zero2_reshards_after_backward=True, eager_host_costs=True, features=Features(
                                   built_on="FSDP2, DTensor TP, torch.distributed.pipelining, own CP, MoE folding, "
                                            "eager")),
     # TorchTitan as benchmarked at the end of 2024 (benchmarks/llama3_h100_202412_torchtitan.md; its
