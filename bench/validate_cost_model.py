@@ -408,6 +408,7 @@ def main() -> int:
     titan_more = validation_moe.torchtitan_table_rows(ROOT / "bench" / "reference")
     for name, rows in titan_more.items():
         print("\n".join(validation_moe.torchtitan_lines(name, rows)))
+    print(validation_moe.torchtitan_summary(titan_more))
     simulated = simulator_rows()
     for row in simulated:
         print(f"estimate vs simulator, {row['stack']:<16} {row['cases']} cases: worst {row['worst']:+.1%}, "
