@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fivefold.cost import STACKS, estimate
+from fivefold.cost.fp8 import with_fp8_recipe
 from fivefold.errors import FivefoldError
 from fivefold.spec import PRESETS, ModelSpec, Plan, TrainSpec, parse_cluster
 
@@ -41,7 +42,8 @@ def torchtitan_plan(row: dict) -> tuple[Plan, object]:
                 recompute=row["activation_checkpoint"], sequence_parallel=tp > 1)
     stack = replace(STACKS["torchtitan"], overlap_tp_comm=row["async_tp"] == "yes",
                     fused_elementwise=row["compile"] == "yes")
-    return plan, stack
+    recipe = row.get("float8_recipe") or "none"
+    return plan, with_fp8_recipe(stack, recipe if recipe != "none" else None)
 
 
 def torchtitan_rows(path: Path) -> list[dict]:

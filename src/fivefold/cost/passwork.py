@@ -8,6 +8,7 @@ import operator
 from typing import NamedTuple
 
 from fivefold.cost.compute import Device, elementwise_time, gemm_time
+from fivefold.cost.fp8 import gathers_fp8_weights, recipe_time_factor
 from fivefold.cost.stack import SoftwareStack
 
 
@@ -136,23 +137,35 @@ def synced_forward(gpu: float, kernels: int, synced_at: tuple[float, int], stack
 
 
 def fp8_linear(work: PassWork, device: Device, stack: SoftwareStack, tokens: int, k: int, n: int,
-                batch: int = 1, bias: bool = False) -> tuple[float, float, float]:
-    """A block linear layer; under FP8 training its GEMMs run in FP8 with dynamic (tensor-wise) scaling
-    (TorchTitan's Float8 / torchao, Megatron's FP8 recipe) and the casts that scaling needs:
-    the amax and cast of the input forward and of the output gradient backward (read 2 bytes for the
-    amax, read 2 and write 1 for the cast: 5 bytes per element, 3 when compiled or fused kernels fold
-    the amax into the producer), the FP8 transposes the dgrad and wgrad GEMMs need (1 byte read, 1
-    written), and the weight's cast, which an FP8 all-gather does on the shard before gathering instead."""
+               batch: int = 1, bias: bool = False) -> tuple[float, float, float]:
+    """A block linear layer; under FP8 training its GEMMs run in FP8 with the stack's scaling recipe
+    (cost/fp8.py; dynamic tensorwise by default: TorchTitan's Float8 / torchao, Megatron's current scaling) and
+    the casts that scaling needs: the amax and cast of the input forward and of the output gradient backward
+    (read 2 bytes for the amax, read 2 and write 1 for the cast: 5 bytes per element, 3 when compiled or fused
+    kernels fold the amax into the producer), the FP8 transposes the dgrad and wgrad GEMMs need (1 byte read, 1
+    written), and the weight's cast, which an FP8 all-gather does on the shard before gathering instead.
+    Rowwise casts every operand once per GEMM axis instead of transposing; TE's delayed and blockwise recipes
+    scale the whole (cost/fp8.py recipe_time_factor)."""
     if device.fp8_gemm_peak <= 0:
         return work.gemm(device, tokens, k, n, batch, bias)
     times = work.gemm(device, tokens, k, n, batch, bias, fp8=True)
+    factor = recipe_time_factor(stack.fp8_recipe)
+    if factor != 1.0:  # the recipe's GEMMs against the tensorwise ones costed above
+        extra = [(factor - 1.0) * seconds for seconds in times]
+        work.forward += extra[0]
+        work.linear_forward += extra[0]
+        work.backward_input += extra[1]
+        work.backward_weight += extra[2]
+        times = (factor * times[0], factor * times[1], factor * times[2])
     cast = 3.0 if stack.fused_elementwise else 5.0
     x, g, w = tokens * k * batch, tokens * n * batch, k * n * batch
-    weight_cast = 0.0 if stack.features.fp8_all_gather else cast * w
-    work.elementwise(device, cast * x + weight_cast, cast * g + 2.0 * (x + g + w), 2, 4)
+    if stack.fp8_recipe == "rowwise":  # x and W along K forward; g and W along N, x and g along tokens backward
+        work.elementwise(device, cast * (x + w), cast * (2 * g + x + w), 2, 4)
+        return times
+    weight_cast = 0.0 if gathers_fp8_weights(stack) else cast * w
+    te_scale = factor if stack.fp8_recipe in ("delayed", "blockwise") else 1.0
+    work.elementwise(device, te_scale * (cast * x + weight_cast), te_scale * (cast * g + 2.0 * (x + g + w)), 2, 4)
     return times
-
-
 
 
 def mlp(work: PassWork, device: Device, stack: SoftwareStack, rows: int, hidden: int, width: int, swiglu: bool,

@@ -113,6 +113,7 @@ class SoftwareStack:
     grouped_gemm_streams: int = 0  # MoE experts: 0, one grouped GEMM launch; k, a GEMM per expert, k streams (TE's
     #                                GroupedLinear: 4; fivefold's GroupedExperts, a Python loop over experts: 1)
     expert_gate_separate: bool = False  # SwiGLU experts launch gate and up as two GEMMs (fivefold's GroupedExperts)
+    fp8_recipe: str = "tensorwise"  # FP8 scaling: tensorwise | rowwise (torchao), current | delayed | blockwise (TE)
     moe_dispatch_per_node: bool = False  # DeepEP: one network copy of a token per destination node, forwarded
     #                                      over NVLink to its experts there (cost/moe_block.py dispatch_time)
     features: Features = Features()  # what the software can run at all
@@ -129,17 +130,16 @@ class SoftwareStack:
 
 
 STACKS: dict[str, SoftwareStack] = {
-    # Everything current software offers somewhere (no single framework): the planner's open-ended view, with
-    # no measured rows of its own (error band: credibility.UNMEASURED_BAND); no longer the default.
-    "modern": SoftwareStack(features=Features(fp8=True, fp8_all_gather=True,
-                                              built_on="any current framework; no measured rows")),
+    # Everything current software offers somewhere (no single framework): no measured rows (UNMEASURED_BAND).
+    "modern": SoftwareStack(features=Features(fp8=True, fp8_all_gather=True, built_on="any framework; no rows")),
     # Megatron-Core with Transformer Engine as NVIDIA benchmarks it: TP communication overlapped with GEMMs,
     # distributed optimizer with overlapped gradient reduce and parameter gather. 13.5 us per op: one PyTorch
     # Linear forward issued from Python on a DGX H100 (TransformerEngine issue #2053); experts as TE's
-    # GroupedLinear, a cuBLAS GEMM per expert on TE's 4 compute streams (multi_stream.cpp).
+    # GroupedLinear, a cuBLAS GEMM per expert on TE's 4 compute streams (multi_stream.cpp); FP8 with delayed
+    # scaling, TransformerConfig.fp8_recipe's default (Megatron-LM d98e8a6).
     "megatron-core": SoftwareStack(
         name="megatron-core", overlap_tp_comm=True, unfused_cross_entropy=True, host_seconds_per_kernel=13.5e-6,
-        grouped_gemm_streams=4,
+        grouped_gemm_streams=4, fp8_recipe="delayed",
         features=Features(schedules=("1f1b", "interleaved-1f1b"), zero_levels=(0, 1, 3),
                           cp_methods=("allgather", "ulysses"), fp8=True,
                           built_on="Megatron-Core + Transformer Engine, distributed optimizer, Megatron-FSDP "
