@@ -244,7 +244,8 @@ def section(reference: Path, rows: list[dict], titan: dict[str, list[dict]] | No
         lines += ["", f"![{file}](images/{file})"]
     lines += ["", "FP8 GEMM speed-up over BF16 per layer (TransformerEngine GEMM profiling guide, H200 NVL, 12 GEMMs "
               "of a hidden-4096 layer at 15,872 tokens, quantization included; op model at H100 SXM benchmark "
-              "clocks, one FP8 curve for every scaling recipe):", "", "| recipe | measured | op model |",
+              "clocks; delayed and blockwise are current scaling's curve times their layer time over current's in "
+              "this same table (cost/fp8.py), so they match by construction and current is the check):", "", "| recipe | measured | op model |",
               "|---|---|---|"]
     lines += [f"| {recipe} | {measured:.2f}x | {predicted:.2f}x |" for recipe, measured, predicted
               in te_fp8_speedups(reference)]
