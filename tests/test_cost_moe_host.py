@@ -12,7 +12,8 @@ from fivefold.cost import stack_named
 from fivefold.cost.comm import all_gather_time, all_to_all_time, reduce_scatter_time, topology_of
 from fivefold.cost.compute import Device
 from fivefold.cost.layout import Layout, rank_envs
-from fivefold.cost.moe_block import TE_FP8_HOST_OPS_PER_EXPERT, etp_exchange, moe_mlp, moe_tokens
+from fivefold.cost.moe_block import (TE_FP8_HOST_OPS_PER_EXPERT, TE_FP8_PADDING_PASSES, etp_exchange, moe_mlp,
+                                     moe_tokens)
 from fivefold.cost.passwork import PassWork
 from fivefold.cost.stack import SoftwareStack
 from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
@@ -68,6 +69,32 @@ def test_te_fp8_grouped_linear_adds_its_per_expert_host_work() -> None:
     work = PassWork()
     moe_mlp(work, QWEN, split, 8, 1.0, Device(h100, "fp8"), single, link)
     assert work.forward_kernels == counts["bf16"][0]
+
+
+def test_te_fp8_grouped_linear_pads_the_dispatched_rows_and_unpads_the_output(monkeypatch) -> None:
+    """Fp8Padding / Fp8Unpadding around TE's FP8 GroupedLinear: 4 row copies of hidden elements each way, in
+    the experts term; none in BF16 or for one grouped launch."""
+    from fivefold.cost import moe_block
+
+    h100 = CATALOG["H100-SXM"]
+    split = moe_tokens(4096, 1, 1, False, False)
+    link = rank_envs(layout := Layout.of_plan(Plan(model=QWEN, cluster=parse_cluster("2x8xH100-SXM"),
+                                                   train=TrainSpec(seq_len=4096, global_batch=64), dp=16, ep=8)),
+                     topology_of(layout.cluster))[0].ep
+
+    def experts(dtype: str, stack: SoftwareStack = STACK) -> float:
+        return moe_mlp(PassWork(), QWEN, split, 8, 1.0, Device(h100, dtype), stack, link).terms.experts
+
+    padded = {dtype: experts(dtype) for dtype in ("bf16", "fp8")}
+    single = dataclasses.replace(STACK, grouped_gemm_streams=0)
+    single_fp8 = experts("fp8", single)
+    monkeypatch.setattr(moe_block, "TE_FP8_PADDING_PASSES", 0)
+    bare = {dtype: experts(dtype) for dtype in ("bf16", "fp8")}
+    rows = 4096 * QWEN.top_k  # the busiest rank's rows at balance: every copy its 16 local experts get
+    bandwidth = Device(h100, "fp8").bandwidth
+    assert padded["fp8"] - bare["fp8"] == pytest.approx(2 * TE_FP8_PADDING_PASSES * rows * QWEN.hidden * 2 / bandwidth,
+                                                        rel=1e-9)
+    assert padded["bf16"] == bare["bf16"] and single_fp8 == experts("fp8", single)
 
 
 def test_megatron_core_routes_its_own_tokens_and_gathers_the_received_copies_over_etp() -> None:

@@ -49,6 +49,12 @@ KERNELS_AFTER_SYNC = 4
 # profile of GroupedLinear's CPU time), host work of the same order as an op issued from Python. Forward: the two
 # projections' inputs; backward: the two output gradients. (forward, backward) host ops per local expert.
 TE_FP8_HOST_OPS_PER_EXPERT = (4, 4)
+# FP8 GroupedLinear needs each expert's rows in multiples of 16: Megatron-Core's TEGroupedMLP pads the dispatched
+# rows before the experts and unpads their output (Fp8Padding / Fp8Unpadding, megatron/core/transformer/moe/
+# experts.py at Megatron-LM d98e8a6, for the all-to-all dispatcher without router padding), each a copy of the
+# rows (TE's fused_multi_row_padding: read and write, transformer_engine/pytorch/module/fp8_padding.py); the
+# backward unpads and pads the gradients. Row passes of hidden elements (each a read and a write), each way.
+TE_FP8_PADDING_PASSES = 4
 
 
 class MoETerms(NamedTuple):
@@ -202,6 +208,9 @@ def moe_mlp(work: PassWork, model: ModelSpec, split: MoETokens, ep: int, imbalan
     swiglu = m.mlp == "swiglu"
     up, down = expert_gemms(work, device, stack, per_expert, h, m.expert_ffn_hidden // split.split, swiglu,
                             local_experts)
+    if stack.grouped_gemm_streams > 1 and device.fp8_gemm_peak > 0:  # TE's FP8 GroupedLinear: padded rows
+        padded = TE_FP8_PADDING_PASSES * busiest * h * e
+        work.elementwise(device, padded, padded, 2, 2)
     mark()
     if m.shared_experts:
         mlp(work, device, stack, tokens, h, m.shared_experts * m.expert_ffn_hidden // split.shared_split, swiglu)
