@@ -10,6 +10,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from fivefold.cost.stack import SoftwareStack
     from fivefold.spec import ClusterSpec, ModelSpec, Plan, TrainSpec
     from fivefold.spec.diloco import DiLoCoSpec
 
@@ -73,7 +74,7 @@ def add_stack_flag(parser: argparse.ArgumentParser) -> None:
                              "current, delayed or blockwise (Transformer Engine); cost/fp8.py")
 
 
-def stack_of_args(args: argparse.Namespace):  # -> SoftwareStack (cost/ is imported lazily by the CLI)
+def stack_of_args(args: argparse.Namespace) -> SoftwareStack:
     """The --stack preset with --fp8-recipe applied."""
     from fivefold.cost.fp8 import with_fp8_recipe
     from fivefold.cost.stack import stack_named
