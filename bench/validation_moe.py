@@ -163,7 +163,7 @@ def moe_summary(rows: list[dict]) -> str:
 
 def torchtitan_section(tables: dict[str, list[dict]]) -> list[str]:
     lines = ["", "FP8 and async-TP development rows (TorchTitan, `bench/reference/`, sources in its README), predicted "
-             "with the `torchtitan` stack and `--dtype fp8` (dynamic tensorwise scaling, torchao's default). The "
+             "with the `torchtitan` stack, `--dtype fp8` and the recipe each row ran (`--fp8-recipe`, cost/fp8.py). The "
              "rowwise rows are set aside, for the reason in the note. " + torchtitan_summary(tables) + ".", "",
              "| table | model | layout | device | async TP | float8 | measured tokens/s/GPU | predicted | error | note |",
              "|---|---|---|---|---|---|---|---|---|---|"]
