@@ -19,8 +19,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from fivefold.cost import STACKS, estimate
+from fivefold.cost.fp8 import with_fp8_recipe
 from fivefold.errors import FivefoldError
-from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
+from fivefold.spec import PRESETS, ModelSpec, Plan, TrainSpec, parse_cluster
 
 GIB = 2**30
 TITAN_MODELS = {"llama3.1-8b": "llama3-8b", "llama3.1-70b": "llama3-70b", "llama3.1-405b": "llama3-405b"}
@@ -34,13 +35,15 @@ def torchtitan_plan(row: dict) -> tuple[Plan, object]:
     train = TrainSpec(seq_len=seq, global_batch=int(row["global_batch"]),
                       dtype="fp8" if row["float8"] == "yes" else "bf16")
     schedule = row["schedule"] or "1f1b"
-    plan = Plan(model=model, cluster=parse_cluster(f"{max(1, gpus // 8)}x{min(8, gpus)}xH100-96GB"), train=train,
+    device = row.get("device") or "H100-96GB"  # the 2024 tables ran on Grand Teton's 96 GB H100s
+    plan = Plan(model=model, cluster=parse_cluster(f"{max(1, gpus // 8)}x{min(8, gpus)}x{device}"), train=train,
                 dp=fsdp, tp=tp, pp=pp, cp=cp, zero=3, micro_batch=int(row["local_batch"]) // pp,  # pp micro-batches
                 schedule=schedule, virtual_stages=2 if schedule == "interleaved-1f1b" else 1,
                 recompute=row["activation_checkpoint"], sequence_parallel=tp > 1)
     stack = replace(STACKS["torchtitan"], overlap_tp_comm=row["async_tp"] == "yes",
                     fused_elementwise=row["compile"] == "yes")
-    return plan, stack
+    recipe = row.get("float8_recipe") or "none"
+    return plan, with_fp8_recipe(stack, recipe if recipe != "none" else None)
 
 
 def torchtitan_rows(path: Path) -> list[dict]:
@@ -54,7 +57,7 @@ def torchtitan_rows(path: Path) -> list[dict]:
             out.append({**row, "plan": plan, "layout": plan.describe(), "measured": float(row["tokens_per_s_per_gpu"]),
                         "predicted_fivefold": fivefold.tokens_per_s / plan.world_size if fivefold else None,
                         "predicted": result.tokens_per_s / plan.world_size,
-                        "measured_memory": float(row["memory_gib"]),
+                        "measured_memory": float(row["memory_gib"]) if row.get("memory_gib") else None,
                         "predicted_memory": (result.memory.total - stack.reserved_bytes) / GIB,
                         "mfu": result.mfu, "measured_mfu": float(row["tokens_per_s_per_gpu"]) / result.tokens_per_s
                         * plan.world_size * result.mfu})
@@ -63,7 +66,6 @@ def torchtitan_rows(path: Path) -> list[dict]:
 
 def mcore_plan(row: dict, recompute: str, virtual: int) -> Plan:
     gpus, tp, pp, dp = int(row["gpus"]), int(row["tp"]), int(row["pp"]), int(row["dp"])
-    from fivefold.spec import ModelSpec
 
     model = ModelSpec(name=row["model"], layers=int(row["layers"]), hidden=int(row["hidden"]), heads=int(row["heads"]),
                       mlp="gelu", norm="layernorm", position="rope", vocab=131072, max_seq_len=4096)
@@ -156,21 +158,88 @@ def credibility_tables(vtrain: list[dict], bubble: list[dict], core: list[dict],
 _SCHEDULE_ORDER = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"]
 
 
-MOE_RECOMPUTE = {"none": "none", "norm+act": "none", "full": "full"}  # module recompute of norm/act: ~free
+# Module recompute of norm/act is ~free; "norm+moe" (Megatron's `--recompute-modules layernorm moe`) repeats the
+# MoE layers' forward, which no Plan recompute level describes: costed as none, and such rows carry a note.
+MOE_RECOMPUTE = {"none": "none", "norm+act": "none", "full": "full", "norm+moe": "none"}
 
 
-def megatron_moe_plan(row: dict) -> Plan:
-    """A Megatron-Core MoE row (bench/reference/megatron_moe_h100.csv) as a Plan: the distributed optimizer
+def megatron_flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """FLOPs per token as Megatron-Core counts them for its TFLOP/s log (`num_floating_point_operations` in
+    megatron/training/training.py, GQA + MoE branch): 3 x forward, 2 per multiply-add, QKV and output
+    projections, the attention core halved for the causal mask, top_k experts' SwiGLU (no router), the
+    logits. Check: with it the ModelZoo H100 table's own step times (19.7 / 17.6 s) give 246 / 276 TFLOP/s per
+    GPU against the 245 / 276 it reports. Unlike fivefold's model FLOPs (cost/flops.py) it discounts causality."""
+    h, q, kv = model.hidden, model.heads * model.head_dim, model.kv_heads * model.head_dim
+    matrices = 3 if model.mlp == "swiglu" else 2
+    mlp = (2 * matrices * h * model.expert_ffn_hidden * (model.top_k + model.shared_experts) if model.experts
+           else 2 * matrices * h * model.ffn_hidden)
+    layer = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * seq_len * q + mlp
+    return 3.0 * (model.layers * layer + 2 * h * model.vocab)
+
+
+# MoE models of the development set that are not fivefold presets, as Megatron-Core ran them: the layer shapes
+# of Megatron-MoE-ModelZoo's model_configs/benchmarking/{Mixtral-8x22B,Qwen2-57B-A14B}.yaml (e865051), vocabularies
+# of the Hugging Face config.json files (mistralai/Mixtral-8x22B-v0.1: 32000; Qwen/Qwen2-57B-A14B: 151936).
+# Qwen2's shared expert of width 20480 (--moe-shared-expert-intermediate-size) is 8 shared experts of 2560.
+# Mixtral-8x22B-G8T8 (MoE Parallel Folding paper, section 4.1): Mixtral 8x22B re-parameterised to 64 experts, 8
+# active, each one eighth of the original expert width (16384 / 8 = 2048).
+_MIXTRAL_8X22B = ModelSpec(name="mixtral-8x22b", layers=56, hidden=6144, heads=48, kv_heads=8, ffn_hidden=16384,
+                           vocab=32000, max_seq_len=65536, rope_theta=1e6, experts=8, top_k=2)
+REFERENCE_MODELS: dict[str, ModelSpec] = {
+    "mixtral-8x22b": _MIXTRAL_8X22B,
+    "mixtral-8x22b-g8t8": replace(_MIXTRAL_8X22B, name="mixtral-8x22b-g8t8", experts=64, top_k=8,
+                                  expert_ffn_hidden=2048),
+    "qwen2-57b-a14b": ModelSpec(name="qwen2-57b-a14b", layers=28, hidden=3584, heads=28, kv_heads=4,
+                                ffn_hidden=18944, vocab=151936, max_seq_len=131072, rope_theta=1e6, experts=64,
+                                top_k=8, expert_ffn_hidden=2560, shared_experts=8),
+}
+H100_BF16_PEAK_TFLOPS = 989.5  # the MFU denominator of the MoE Parallel Folding paper (section 4.1)
+
+
+def reference_model(name: str) -> ModelSpec:
+    return REFERENCE_MODELS[name] if name in REFERENCE_MODELS else PRESETS[name]
+
+
+def measured_tokens_per_s(row: dict) -> float:
+    """Tokens/s per GPU of a Megatron-Core MoE row from what it reports: step time; else TFLOP/s per GPU; else
+    MFU against the H100's 989.5 TFLOP/s. TFLOP/s go through Megatron's own FLOPs count."""
+    seq, gpus = int(row["seq_len"]), int(row["gpus"])
+    if row.get("step_time_s"):
+        return int(row["global_batch"]) * seq / float(row["step_time_s"]) / gpus
+    tflops = (float(row["tflops_per_gpu"]) if row.get("tflops_per_gpu")
+              else float(row["mfu_pct"]) / 100 * H100_BF16_PEAK_TFLOPS)
+    return tflops * 1e12 / megatron_flops_per_token(reference_model(row["model"]), seq)
+
+
+def megatron_moe_plan(row: dict, micro_batch: int | None = None, vpp: int | None = None,
+                      recompute: str | None = None) -> Plan:
+    """A Megatron-Core MoE row (bench/reference/megatron_moe_*.csv) as a Plan: the distributed optimizer
     (ZeRO-1) or Megatron-FSDP (ZeRO-3), interleaved when vpp > 1, sequence parallel with tp; the recompute of
-    layernorm and the MoE activation only is costed as none (it repeats element-wise work of ~1% of a layer)."""
+    layernorm and the MoE activation only is costed as none (it repeats element-wise work of ~1% of a layer).
+    A field the row leaves blank (not stated by its source) comes from the arguments."""
     gpus, seq = int(row["gpus"]), int(row["seq_len"])
-    tp, cp, ep, pp, etp, vpp, dp = (int(row[k]) for k in ("tp", "cp", "ep", "pp", "etp", "vpp", "dp"))
-    model = replace(PRESETS[row["model"]], max_seq_len=max(seq, PRESETS[row["model"]].max_seq_len))
+    tp, cp, ep, pp, etp, dp = (int(row[k]) for k in ("tp", "cp", "ep", "pp", "etp", "dp"))
+    vpp = int(row["vpp"]) if row["vpp"] else vpp
+    base = reference_model(row["model"])
+    model = replace(base, max_seq_len=max(seq, base.max_seq_len))
     return Plan(model=model, cluster=parse_cluster(f"{gpus // 8}x8xH100-SXM"),
                 train=TrainSpec(seq_len=seq, global_batch=int(row["global_batch"]), dtype="bf16"),
                 dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, zero=3 if row["fsdp"] == "yes" else 1,
-                micro_batch=int(row["micro_batch"]), schedule="interleaved-1f1b" if vpp > 1 else "1f1b",
-                virtual_stages=vpp, recompute=MOE_RECOMPUTE[row["recompute"]], sequence_parallel=tp > 1)
+                micro_batch=int(row["micro_batch"]) if row["micro_batch"] else micro_batch,
+                schedule="interleaved-1f1b" if vpp > 1 else "1f1b", virtual_stages=vpp,
+                recompute=MOE_RECOMPUTE[row["recompute"]] if row["recompute"] else recompute,
+                sequence_parallel=tp > 1)
+
+
+def _unstated_choices(row: dict) -> list[dict]:
+    """The (micro batch, vpp, recompute) a row's source leaves open, as megatron_core_rows does for its table:
+    micro batch 1, every vpp that gives each stage equal chunks (Megatron-Core's requirement), each recompute
+    level; the reader keeps the fastest plan that fits."""
+    per_stage = reference_model(row["model"]).layers // int(row["pp"])
+    vpps = [int(row["vpp"])] if row["vpp"] else [v for v in range(1, per_stage + 1) if per_stage % v == 0
+                                                  and (v == 1 or int(row["pp"]) > 1)]
+    recomputes = [None] if row["recompute"] else ["none", "selective", "full"]
+    return [dict(micro_batch=1, vpp=v, recompute=r) for v in vpps for r in recomputes]
 
 
 def megatron_moe_rows(path: Path) -> list[dict]:
@@ -181,14 +250,24 @@ def megatron_moe_rows(path: Path) -> list[dict]:
     stack = STACKS["megatron-core"]
     with open(path) as handle:
         for row in csv.DictReader(handle):
-            measured = int(row["global_batch"]) * int(row["seq_len"]) / float(row["step_time_s"]) / int(row["gpus"])
-            try:
-                plan = megatron_moe_plan(row)
-            except FivefoldError as exc:
+            measured = measured_tokens_per_s(row)
+            variant = replace(stack, moe_dispatch_per_node=row["dispatcher"] == "deepep")
+            best, error = None, None
+            for choice in _unstated_choices(row):
+                try:
+                    plan = megatron_moe_plan(row, **choice)
+                except FivefoldError as exc:
+                    error = error or exc
+                    continue
+                result = estimate(plan, variant)
+                key = (result.fits, -result.step_time_s)
+                if best is None or key > best[0]:
+                    best = (key, plan, result)
+            if best is None:
                 out.append({**row, "measured": measured, "predicted": None, "modelled": False,
-                            "layout": str(exc).split(":")[0]})
+                            "layout": str(error).split(":")[0]})
                 continue
-            result = estimate(plan, replace(stack, moe_dispatch_per_node=row["dispatcher"] == "deepep"))
+            _, plan, result = best
             out.append({**row, "plan": plan, "layout": plan.describe(), "measured": measured,
                         "predicted": result.tokens_per_s / plan.world_size, "mfu": result.mfu, "fits": result.fits,
                         "measured_mfu": result.mfu * measured * plan.world_size / result.tokens_per_s,

@@ -31,7 +31,7 @@ from fivefold.cost import STACKS, estimate  # noqa: E402
 from fivefold.spec import ModelSpec, Plan, TrainSpec, parse_cluster  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
-from reference_rows import megatron_core_rows, megatron_moe_rows, torchtitan_rows  # noqa: E402
+from reference_rows import megatron_core_rows, torchtitan_rows  # noqa: E402
 
 # The development set lives in shared/ beside the repository (that is where CI puts it too).
 DEFAULT_REFERENCE = next((path for path in (ROOT.parent / "shared" / "reference", ROOT / "shared" / "reference",
@@ -407,9 +407,19 @@ def main() -> int:
               f"predicted {row['predicted']:.1f}%")
     import validation_moe
 
-    moe = megatron_moe_rows(ROOT / "bench" / "reference" / "megatron_moe_h100.csv")
+    moe = validation_moe.megatron_moe_table_rows(ROOT / "bench" / "reference")
     print("\n".join(validation_moe.moe_lines(moe)))
     print(validation_moe.moe_summary(moe))
+    for recipe, measured, predicted in validation_moe.te_fp8_speedups(ROOT / "bench" / "reference"):
+        print(f"TransformerEngine H200 NVL layer GEMMs {recipe:<13} speed-up over BF16 measured {measured:.2f}x, "
+              f"op model {predicted:.2f}x")
+    for row in validation_moe.deepseek_v3_rows(ROOT / "bench" / "reference"):
+        print(f"deepseek-v3 report: {row['measured']:.0f} tokens/s/GPU on {row['gpus']} {row['device']} "
+              f"({row['layout']})")
+    titan_more = validation_moe.torchtitan_table_rows(ROOT / "bench" / "reference")
+    for name, rows in titan_more.items():
+        print("\n".join(validation_moe.torchtitan_lines(name, rows)))
+    print(validation_moe.torchtitan_summary(titan_more))
     simulated = simulator_rows()
     for row in simulated:
         print(f"estimate vs simulator, {row['stack']:<16} {row['cases']} cases: worst {row['worst']:+.1%}, "
@@ -422,7 +432,8 @@ def main() -> int:
     if args.write:
         pictures = report.write_plots(args.write.parent / "images")
         write_section(args.write, markdown(vtrain, core, bubble, kort, simulated, report, pictures))
-        write_section(args.write, validation_moe.section(ROOT / "bench" / "reference", moe), validation_moe.HEADING)
+        moe_section = validation_moe.section(ROOT / "bench" / "reference", moe, titan_more, args.write.parent / "images")
+        write_section(args.write, moe_section, validation_moe.HEADING)
         print(f"wrote {args.write}")
     print(f"({time.perf_counter() - started:.1f} s)")
     return 0

@@ -8,7 +8,8 @@ import pytest
 
 from fivefold.cost import estimate
 from fivefold.cost.dataparallel import parameter_tensors
-from fivefold.cost.stack import STACKS, eager_ops
+from fivefold.cost.eager_ops import eager_ops
+from fivefold.cost.stack import STACKS
 from fivefold.errors import SpecError
 from fivefold.spec import PRESETS, Plan, TrainSpec, load_plan, parse_cluster
 from fivefold.spec.cluster import Calibration, ClusterSpec, HostCosts

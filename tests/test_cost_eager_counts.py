@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from fivefold.cost.dataparallel import parameter_tensors
-from fivefold.cost.stack import eager_ops
+from fivefold.cost.eager_ops import eager_ops
 from fivefold.spec import PRESETS, ModelSpec
 
 VARIANTS = {

@@ -28,10 +28,10 @@ def _plan(**fields) -> Plan:
 
 
 def test_tokens_and_expert_split_follow_the_folding() -> None:
-    # tp2 with SP: a rank holds half of its tp group's 4096 tokens; etp 2 gathers both halves (Megatron's
-    # default, experts split like the MLP), etp 1 keeps its own half and the experts whole.
-    # (routed, gathered after dispatch, expert split, shared-expert split)
-    assert moe_tokens(4096, 2, 2, True, False) == (4096, 1, 2, 2)
+    # tp2 with SP: a rank holds and routes half of its tp group's 4096 tokens; with etp 2 (Megatron's default,
+    # experts split like the MLP) the etp pair gathers the received copies after the dispatch, etp 1 keeps the
+    # experts whole. (routed, gathered after dispatch, expert split, shared-expert split)
+    assert moe_tokens(4096, 2, 2, True, False) == (2048, 2, 2, 1)
     assert moe_tokens(4096, 2, 1, True, False) == (2048, 1, 1, 1)
     assert moe_tokens(4096, 1, 1, False, False) == (4096, 1, 1, 1)
     assert moe_tokens(4096, 2, 1, False, False) == (4096, 1, 1, 1)  # Megatron without SP: every rank, all

@@ -10,7 +10,7 @@ import pytest
 from fivefold.cost import estimate, stack_named
 from fivefold.cost.comm import all_to_all_time, topology_of
 from fivefold.cost.compute import elementwise_time, gemm_time
-from fivefold.cost.layout import Layout, rank_envs
+from fivefold.cost.layout import Layout, layer_costs, rank_envs
 from fivefold.cost.moe_block import HOST_SYNC_SECONDS, KERNELS_AFTER_SYNC
 from fivefold.cost.moe_breakdown import moe_layer_terms
 from fivefold.spec import PRESETS, ModelSpec, Plan, TrainSpec, parse_cluster
@@ -58,15 +58,48 @@ def test_expert_gemms_run_at_the_grouped_efficiency_of_the_tokens_each_expert_ge
     terms, env = _terms(_plan())
     device, m = env.device, QWEN
     rows, local, f, h = 4096 * 8 * 8 // 128, 16, m.expert_ffn_hidden, m.hidden  # 2048 rows for each local expert
-    up = [gemm_time(device, rows, 2 * f, h, local), gemm_time(device, rows, h, 2 * f, local),
-          gemm_time(device, h, 2 * f, rows, local)]
-    down = [gemm_time(device, rows, h, f, local), gemm_time(device, rows, f, h, local),
-            gemm_time(device, f, h, rows, local)]
-    act = elementwise_time(device, 16 * rows * f * 3 * 2) + elementwise_time(device, 16 * rows * f * 5 * 2)
-    assert terms.experts == pytest.approx(sum(up) + sum(down) + act, rel=1e-9)
+
+    def grouped(launches: int, batch: int) -> float:  # `launches` GEMM launches of `batch` experts side by side
+        up = [gemm_time(device, rows, 2 * f, h, batch), gemm_time(device, rows, h, 2 * f, batch),
+              gemm_time(device, h, 2 * f, rows, batch)]
+        down = [gemm_time(device, rows, h, f, batch), gemm_time(device, rows, f, h, batch),
+                gemm_time(device, f, h, rows, batch)]
+        act = elementwise_time(device, batch * rows * f * 3 * 2) + elementwise_time(device, batch * rows * f * 5 * 2)
+        return launches * (sum(up) + sum(down) + act)
+
+    # Megatron-Core's experts run through Transformer Engine's GroupedLinear: a cuBLAS GEMM per expert on 4 streams.
+    assert STACK.grouped_gemm_streams == 4
+    assert terms.experts == pytest.approx(grouped(4, 4), rel=1e-9)
+    one_launch = _terms(_plan(), dataclasses.replace(STACK, grouped_gemm_streams=0))[0]
+    assert one_launch.experts == pytest.approx(grouped(1, local), rel=1e-9)
+    assert one_launch.experts < terms.experts
     # The same expert FLOPs cut finer (4x the experts, 1/4 the width, 4x top-k) run at a lower rate.
     fine = dataclasses.replace(QWEN, experts=512, top_k=32, expert_ffn_hidden=192)
     assert _terms(_plan(fine))[0].experts > 1.2 * terms.experts  # (the down GEMM's K: 768 -> 192)
+
+
+def test_fivefold_stack_prices_a_gemm_per_expert_as_its_python_loop_runs_them():
+    """models/moe.py GroupedExperts: for each local expert, chunk @ w1.T, chunk @ w3.T, the SwiGLU product and
+    @ w2.T on that expert's rows, one expert after the other on one stream."""
+    fivefold = stack_named("fivefold")
+    assert (fivefold.grouped_gemm_streams, fivefold.expert_gate_separate) == (1, True)
+    terms, env = _terms(_plan(), fivefold)
+    device, f, h = env.device, QWEN.expert_ffn_hidden, QWEN.hidden
+    rows, local = 4096 * 8 * 8 // 128, 16  # 2048 rows for each of the 16 local experts
+    gate = gemm_time(device, rows, f, h) + gemm_time(device, rows, h, f) + gemm_time(device, h, f, rows)
+    down = gemm_time(device, rows, h, f) + gemm_time(device, rows, f, h) + gemm_time(device, f, h, rows)
+    product = elementwise_time(device, rows * f * 3 * 2) + elementwise_time(device, rows * f * 5 * 2)
+    assert terms.experts == pytest.approx(local * (2 * gate + product + down), rel=1e-9)
+    # One launch per expert costs more than one grouped launch of the same rows (fewer tiles per wave).
+    grouped = _terms(_plan(), dataclasses.replace(fivefold, grouped_gemm_streams=0, expert_gate_separate=False))[0]
+    assert terms.experts > 1.05 * grouped.experts
+    # An odd stream count: full groups of 3 experts side by side, then the last expert alone.
+    three = _terms(_plan(), dataclasses.replace(fivefold, grouped_gemm_streams=3, expert_gate_separate=False))[0]
+    batch = [gemm_time(device, rows, 2 * f, h, b) + gemm_time(device, rows, h, 2 * f, b)
+             + gemm_time(device, h, 2 * f, rows, b) + gemm_time(device, rows, h, f, b) + gemm_time(device, rows, f, h, b)
+             + gemm_time(device, f, h, rows, b) + elementwise_time(device, b * rows * f * 6)
+             + elementwise_time(device, b * rows * f * 10) for b in (3, 1)]
+    assert three.experts == pytest.approx(5 * batch[0] + batch[1], rel=1e-9)
 
 
 def test_shared_experts_are_a_dense_mlp_on_every_token():
@@ -88,7 +121,13 @@ def test_breakdown_names_every_moe_term_and_still_sums_to_the_step():
     # 48 MoE layers x 4 micro-batches on the one pipeline rank, per layer as moe_layer_terms gives.
     terms = _terms(_plan(imbalance=1.3))[0]
     assert parts["moe_experts"] == pytest.approx(48 * 4 * terms.experts, rel=1e-9)
-    assert parts["moe_host_sync"] == pytest.approx(48 * 4 * terms.host_sync, rel=1e-9)
+    # The sync's round trip, and the CPU run-ahead it costs: the layer less the same layer with a sync-free dispatch.
+    layout = Layout.of_plan(_plan(imbalance=1.3))
+    env = rank_envs(layout, topology_of(layout.cluster))[0]
+    synced = layer_costs(layout, env, STACK).layer
+    free = layer_costs(layout, env, dataclasses.replace(STACK, moe_dispatch_syncs_host=False)).layer
+    assert parts["moe_host_sync"] == pytest.approx(48 * 4 * (synced.forward - free.forward), rel=1e-9)
+    assert parts["moe_host_sync"] >= 48 * 4 * terms.host_sync
     dense = estimate(_plan(PRESETS["llama3-8b"], ep=1), STACK)
     assert not any(key.startswith("moe_") for key in dense.breakdown_s)
 

@@ -18,7 +18,7 @@ from fivefold.outputs import check_output_dir, check_output_file, make_dir, make
 from fivefold.jobfile import add_job_flags, keep_job_file, parse_with_job_file
 from fivefold.flags import (REPLAN_KEEPS, add_diloco_flags, add_json_flag, add_layout_flags, add_run_flags,
                             add_spec_flags, add_stack_flag, add_workload_flags, diloco_of_args, layout_from_args,
-                            plan_from_args, specs_from_args)
+                            plan_from_args, specs_from_args, stack_of_args)
 
 EXIT_BAD_INPUT = 2
 EXIT_NOT_BUILT = 3
@@ -53,7 +53,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from fivefold.serving_cli import check_serve_only_flags
 
     check_serve_only_flags(args)
-    from fivefold.cost import stack_named
     from fivefold.planner import Choices, search
     from fivefold.planner.render import plan_json, plan_renderables, plan_title
     from fivefold.planner.rerank import rerank_by_simulation
@@ -68,7 +67,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"searching: {done}/{total} degree splits in {seconds:.1f} s", file=sys.stderr, flush=True)
 
     result = search(model, cluster, train, Choices(**layout_from_args(args)), headroom=args.headroom, top=args.top,
-                    stack=stack_named(args.stack), progress=progress)
+                    stack=stack_of_args(args), progress=progress)
     rerank_by_simulation(result, args.simulate_top)
     dryruns: dict[int, dict] = {}
     if args.dryrun_top > 0:
@@ -98,15 +97,15 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from fivefold.serving_cli import check_serve_only_flags
 
     check_serve_only_flags(args)
-    from fivefold.cost import estimate, stack_named
+    from fivefold.cost import estimate
 
     plan = plan_from_args(args)
     diloco = diloco_of_args(args, plan)  # --dp-sync diloco: checked before anything is costed
-    result = estimate(plan, stack_named(args.stack))
+    result = estimate(plan, stack_of_args(args))
     if diloco is not None:
         from fivefold.cost.diloco import diloco_cost
 
-        diloco = diloco_cost(plan, diloco, result, stack_named(args.stack))
+        diloco = diloco_cost(plan, diloco, result, stack_of_args(args))
     if args.json:
         print_json({**result.to_dict(), **({"diloco": diloco.to_dict()} if diloco else {})})
         return 0
@@ -127,14 +126,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     check_serve_only_flags(args)
     from fivefold.cost import estimate as estimate_plan
-    from fivefold.cost import stack_named
     from fivefold.sim import parse_stage_times, simulate_plan
     from fivefold.sim.outputs import write_outputs
 
     plan = plan_from_args(args)
     check_output_dir(args.out_dir, "--out-dir")
     stage_scale = parse_stage_times(args.stage_time, plan.num_stages)
-    estimate = estimate_plan(plan, stack_named(args.stack))
+    estimate = estimate_plan(plan, stack_of_args(args))
     result = simulate_plan(plan, stage_scale, estimate=estimate)
     out_dir = make_dir(args.out_dir, "--out-dir")
     trace_path, png_path = write_outputs(result, out_dir)

@@ -10,6 +10,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from fivefold.cost.stack import SoftwareStack
     from fivefold.spec import ClusterSpec, ModelSpec, Plan, TrainSpec
     from fivefold.spec.diloco import DiLoCoSpec
 
@@ -71,6 +72,17 @@ def add_stack_flag(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--stack", default=DEFAULT_STACK, help="software the cost model assumes, and what it can run "
                         "(default: fivefold, what `fivefold train` runs). " + stack_help())
+    parser.add_argument("--fp8-recipe", default=None, metavar="RECIPE",
+                        help="FP8 scaling with --dtype fp8: tensorwise (default) or rowwise (torchao Float8), "
+                             "current, delayed or blockwise (Transformer Engine); cost/fp8.py")
+
+
+def stack_of_args(args: argparse.Namespace) -> SoftwareStack:
+    """The --stack preset with --fp8-recipe applied."""
+    from fivefold.cost.fp8 import with_fp8_recipe
+    from fivefold.cost.stack import stack_named
+
+    return with_fp8_recipe(stack_named(args.stack), getattr(args, "fp8_recipe", None))
 
 
 def add_json_flag(parser: argparse.ArgumentParser) -> None:

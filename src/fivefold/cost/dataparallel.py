@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivefold.cost.comm import Topology, all_gather_time, all_reduce_time, reduce_scatter_time
+from fivefold.cost.fp8 import gathers_fp8_weights
 from fivefold.cost.host import ddp_on_cpu
 from fivefold.cost.layer import padded_vocab
 from fivefold.cost.layout import Layout, RankEnv, RankGroup
@@ -138,7 +139,7 @@ def in_series_reduction(layout: Layout, stack: SoftwareStack, group: RankGroup, 
 def _sync_bytes(layout: Layout, stack: SoftwareStack) -> tuple[int, int]:
     """(bytes per gradient element reduced, bytes per weight element gathered)."""
     weight_bytes = 4 if layout.train.dtype == "fp32" else 2
-    if layout.train.dtype == "fp8" and stack.features.fp8_all_gather and layout.zero == 3:
+    if layout.train.dtype == "fp8" and gathers_fp8_weights(stack) and layout.zero == 3:
         weight_bytes = 1  # FSDP2 gathers the block weights already cast to FP8 (torchao's FP8 all-gather)
     return stack.gradient_bytes(layout.train.dtype), weight_bytes
 

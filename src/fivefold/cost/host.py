@@ -10,8 +10,9 @@ from dataclasses import replace
 from fivefold.cost.comm import Topology, all_reduce_time
 from fivefold.cost.layer import ZERO_PASS, PassCost
 from fivefold.cost.layout import Layout, LayerCosts, RankEnv
-from fivefold.cost.stack import (COMPILED_BLOCK_OPS, SoftwareStack, TensorParallelCollectives, eager_ops,
-                                 on_host_profiled_cpu, tensor_parallel_collectives)
+from fivefold.cost.eager_ops import COMPILED_BLOCK_OPS, eager_ops
+from fivefold.cost.stack import (SoftwareStack, TensorParallelCollectives, on_host_profiled_cpu,
+                                 tensor_parallel_collectives)
 from fivefold.spec.plan import SPLIT_BACKWARD, reduced_by_ddp, reductions_overlap_on_cpu
 
 NO_TP_COLLECTIVES = TensorParallelCollectives(0, 0, 0, 0, 0, 0)

@@ -22,11 +22,12 @@ from fivefold.cost.comm import SELF, GroupLink, all_gather_time, all_reduce_time
 from fivefold.cost.context import context_parallel_comm
 from fivefold.cost.compute import Device, elementwise_time, flash_attention_time, gemm_time
 from fivefold.cost.moe import split_by_layer_kind
-from fivefold.cost.moe_block import moe_mlp, moe_tokens, tp_split_block_comm
+from fivefold.cost.moe_block import etp_exchange, moe_mlp, moe_tokens, tp_split_block_comm
 from fivefold.cost.passwork import ZERO_PASS, PassCost, PassWork, fp8_linear, mlp
 
 __all__ = ["ZERO_PASS", "LayerShape", "PassCost", "embedding_cost", "head_cost", "layer_cost", "padded_vocab"]
-from fivefold.cost.stack import SoftwareStack, eager_ops
+from fivefold.cost.eager_ops import eager_ops
+from fivefold.cost.stack import SoftwareStack
 from fivefold.spec.model import ModelSpec
 
 
@@ -155,7 +156,9 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
         block = moe_mlp(work, m, split, shape.ep, shape.expert_imbalance, device, stack, ep_link)
         if stack.moe_splits_tokens_over_tp:
             tp_split_block_comm(work, m, block, hidden_bytes, shape.sequence_parallel, tp_link, etp_link, e)
-        else:  # the etp group gathers its tokens and reduce-scatters the experts' partial sums (none at etp 1)
+        elif shape.sequence_parallel and t > 1:  # Megatron-Core: the etp group gathers the received copies
+            etp_exchange(work, m, block, etp_link, e)
+        else:  # every tp rank routes all tokens: the etp group reduces the experts' partial sums (none at etp 1)
             _tp_collectives(work, split.routed * h * e, etp_link, shape.sequence_parallel, stack,
                             [block.up, block.down])
     else:

@@ -15,8 +15,9 @@ mean; every other rank waits for it at the combine):
   (HOST_SYNC_SECONDS plus those kernels' issue time); backward reuses the counts;
 - all-to-all: the counts exchanged (a small all-to-all of experts x 8 bytes), then dispatch and combine of
   every routed copy forward, and both again backward, on the ep group's slowest link;
-- experts: experts / ep local experts as one grouped GEMM each for the up (gate) and down projections, at the
-  tile efficiency of the rows each local expert actually gets (cost/kernels.py), and the activation;
+- experts: experts / ep local experts as one grouped GEMM each for the up (gate) and down projections, or a GEMM
+  per expert as the stack launches them (expert_gemms), at the tile efficiency of the rows each local expert
+  actually gets (cost/kernels.py), and the activation;
 - shared experts: a dense MLP of width shared_experts x expert_ffn_hidden on every token.
 Kernel launches: an eager MoE block issues the ops counted on fivefold's block (cost/moe.py moe_block_ops:
 routing, sorting, gathers, a GEMM pair per local expert, the shared experts); a fine-grained model with many
@@ -25,12 +26,12 @@ local experts becomes launch-bound when the stack's seconds per kernel times tho
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from fivefold.cost.comm import GroupLink, all_gather_time, all_reduce_time, all_to_all_time, reduce_scatter_time
 from fivefold.cost.compute import Device
 from fivefold.cost.moe import all_to_all_bytes, moe_block_ops, routed_rows
-from fivefold.cost.passwork import PassWork, mlp
+from fivefold.cost.passwork import PassWork, fp8_linear, mlp
 from fivefold.cost.stack import SoftwareStack
 from fivefold.spec.model import ModelSpec
 
@@ -41,6 +42,19 @@ HOST_SYNC_SECONDS = 10e-6
 # Kernels the dispatcher issues between the sync and the all-to-all (sort / argsort of the expert ids, the
 # row gather, split sizes): the GPU is idle while the CPU issues them.
 KERNELS_AFTER_SYNC = 4
+
+
+# Transformer Engine's FP8 GroupedLinear allocates the quantized input and its transpose per expert before its one
+# multi-cast kernel: 2 x num_gemms torch.empty calls per GEMM input (TransformerEngine issue #1499, a maintainer's
+# profile of GroupedLinear's CPU time), host work of the same order as an op issued from Python. Forward: the two
+# projections' inputs; backward: the two output gradients. (forward, backward) host ops per local expert.
+TE_FP8_HOST_OPS_PER_EXPERT = (4, 4)
+# FP8 GroupedLinear needs each expert's rows in multiples of 16: Megatron-Core's TEGroupedMLP pads the dispatched
+# rows before the experts and unpads their output (Fp8Padding / Fp8Unpadding, megatron/core/transformer/moe/
+# experts.py at Megatron-LM d98e8a6, for the all-to-all dispatcher without router padding), each a copy of the
+# rows (TE's fused_multi_row_padding: read and write, transformer_engine/pytorch/module/fp8_padding.py); the
+# backward unpads and pads the gradients. Row passes of hidden elements (each a read and a write), each way.
+TE_FP8_PADDING_PASSES = 4
 
 
 class MoETerms(NamedTuple):
@@ -65,8 +79,7 @@ class MoETokens(NamedTuple):
     """How one rank's MoE block sees its tokens under MoE parallel folding (spec/folding.py)."""
 
     routed: int  # tokens this rank routes: router, permutes, the ep all-to-all, the shared experts
-    gathered: int  # ways the etp group gathers the dispatched copies before the experts (1: none, or gathered
-    #                before routing: already in `routed`)
+    gathered: int  # ways the etp group gathers the dispatched copies after the all-to-all (1: none)
     split: int  # ways each routed expert's width is split (etp)
     shared_split: int  # ways the shared experts' width is split
 
@@ -74,15 +87,15 @@ class MoETokens(NamedTuple):
 def moe_tokens(tokens: int, tp: int, etp: int, sequence_parallel: bool, splits_over_tp: bool) -> MoETokens:
     """What one rank routes of its tp group's `tokens`, and how its experts are split.
 
-    Megatron-Core: with sequence parallelism a rank holds tokens / tp and the etp group gathers etp of those
-    shards (etp = tp: the whole group's tokens, its default; etp = 1: its own shard, ep spanning tp), costed as
-    gathered before routing; without it every rank routes all of them. `splits_over_tp` (fivefold's runtime,
-    runtime/expert_folding.py): every tp rank routes its own tokens / tp with or without sequence parallelism,
-    the etp group gathers the dispatched copies after the all-to-all, and the shared experts stay whole."""
-    if splits_over_tp:
+    Megatron-Core with sequence parallelism: a rank routes its own tokens / tp and dispatches them over ep; the
+    etp group all-gathers the received copies after the all-to-all (MoEAlltoAllTokenDispatcher: the gather over
+    the expert tensor-parallel group follows the dispatch) and the shared experts (SharedExpertMLP, tp-split under
+    SP) cost what the rank's own tokens cost at their whole width; without sequence parallelism every tp rank
+    routes all of them. `splits_over_tp` (fivefold's runtime, runtime/expert_folding.py): every tp rank routes its
+    own tokens / tp with or without sequence parallelism, gathered over etp the same way."""
+    if splits_over_tp or (sequence_parallel and tp > 1):
         return MoETokens(tokens // tp, etp, etp, 1)
-    own = tokens // tp if sequence_parallel and tp > 1 else tokens
-    return MoETokens(own * etp if sequence_parallel and tp > 1 else own, 1, etp, etp)
+    return MoETokens(tokens, 1, etp, etp)
 
 
 def dispatch_time(tokens: int, model: ModelSpec, element_bytes: int, imbalance: float, link: GroupLink,
@@ -99,6 +112,55 @@ def dispatch_time(tokens: int, model: ModelSpec, element_bytes: int, imbalance: 
     inside = (link.size - 1) / link.size * copies / link.intra_bandwidth
     outside = copies / k * remote_nodes / link.network_bandwidth
     return (link.size - 1) * link.latency + max(inside, outside)
+
+
+def expert_gemms(work: PassWork, device: Device, stack: SoftwareStack, rows: int, hidden: int, width: int,
+                 swiglu: bool, experts: int) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """The local experts' MLPs: one grouped launch whose tiles share the waves (stack.grouped_gemm_streams 0), or
+    one GEMM per expert with `streams` of them running side by side (Transformer Engine's GroupedLinear:
+    nvte_multi_stream_cublas_gemm issues a cuBLAS GEMM per expert over its compute streams; fivefold's
+    GroupedExperts: one expert after the other on one stream), so only the tiles of `streams` experts share a
+    wave. Same FLOPs; the difference is the wave quantization of few rows per expert. Every expert has the same
+    rows here, so a group of `streams` experts is costed once and counted as often as it runs."""
+    streams = stack.grouped_gemm_streams
+    if streams <= 0 or (streams >= experts and not stack.expert_gate_separate):
+        return mlp(work, device, stack, rows, hidden, width, swiglu, experts)
+    full, rest = divmod(experts, min(streams, experts))
+    sums = _repeated(work, full, lambda into: _expert_mlp(into, device, stack, rows, hidden, width, swiglu, streams))
+    if rest:
+        last = _repeated(work, 1, lambda into: _expert_mlp(into, device, stack, rows, hidden, width, swiglu, rest))
+        sums = [a + b for a, b in zip(sums, last)]
+    return (sums[0], sums[1], sums[2]), (sums[3], sums[4], sums[5])
+
+
+def _expert_mlp(work: PassWork, device: Device, stack: SoftwareStack, rows: int, hidden: int, width: int,
+                swiglu: bool, side_by_side: int) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """`side_by_side` experts' MLPs launched together; with stack.expert_gate_separate a SwiGLU expert's gate and
+    up projections are two GEMMs of `width` columns (fivefold's GroupedExperts: chunk @ w1.T, chunk @ w3.T), not
+    one of 2 x width, so each fills its own waves."""
+    if not (swiglu and stack.expert_gate_separate):
+        return mlp(work, device, stack, rows, hidden, width, swiglu, side_by_side)
+    gate = fp8_linear(work, device, stack, rows, hidden, width, side_by_side)
+    up = fp8_linear(work, device, stack, rows, hidden, width, side_by_side)
+    e = device.element_bytes
+    work.elementwise(device, rows * side_by_side * width * 3 * e, rows * side_by_side * width * 5 * e)
+    down = fp8_linear(work, device, stack, rows, width, hidden, side_by_side)
+    return (gate[0] + up[0], gate[1] + up[1], gate[2] + up[2]), down
+
+
+def _repeated(work: PassWork, times: int, add: Callable[[PassWork], tuple[tuple[float, float, float],
+                                                                          tuple[float, float, float]]]) -> list[float]:
+    """Run `add` on a scratch PassWork and add its GPU seconds and kernels `times` over to `work` (the planner
+    would otherwise cost the same expert MLP once per local expert); its (up, down) GEMM times, summed."""
+    scratch = PassWork()
+    up, down = add(scratch)
+    work.forward += times * scratch.forward
+    work.linear_forward += times * scratch.linear_forward
+    work.backward_input += times * scratch.backward_input
+    work.backward_weight += times * scratch.backward_weight
+    work.forward_kernels += times * scratch.forward_kernels
+    work.backward_kernels += times * scratch.backward_kernels
+    return [times * seconds for seconds in (*up, *down)]
 
 
 def _seconds(work: PassWork) -> float:
@@ -134,6 +196,8 @@ def moe_mlp(work: PassWork, model: ModelSpec, split: MoETokens, ep: int, imbalan
     work.elementwise(device, moved, moved, 4 if sorts else 2, 4 if sorts else 2)
     mark()
     if stack.moe_dispatch_syncs_host:
+        if device.host is None:  # a profiled CPU issues what it computes: its host costs are in series (cost/host.py)
+            work.host_sync()
         work.host_wait += HOST_SYNC_SECONDS + KERNELS_AFTER_SYNC * stack.host_seconds_per_kernel
     mark()
     if ep_link.size > 1:
@@ -142,13 +206,20 @@ def moe_mlp(work: PassWork, model: ModelSpec, split: MoETokens, ep: int, imbalan
         work.collective("ep", counts + 2 * dispatch, 2 * dispatch)
     mark()
     swiglu = m.mlp == "swiglu"
-    up, down = mlp(work, device, stack, per_expert, h, m.expert_ffn_hidden // split.split, swiglu, local_experts)
+    up, down = expert_gemms(work, device, stack, per_expert, h, m.expert_ffn_hidden // split.split, swiglu,
+                            local_experts)
+    if stack.grouped_gemm_streams > 1 and device.fp8_gemm_peak > 0:  # TE's FP8 GroupedLinear: padded rows
+        padded = TE_FP8_PADDING_PASSES * busiest * h * e
+        work.elementwise(device, padded, padded, 2, 2)
     mark()
     if m.shared_experts:
         mlp(work, device, stack, tokens, h, m.shared_experts * m.expert_ffn_hidden // split.shared_split, swiglu)
     mark()
     # Launches: the dense MLP's (up, activation, down; five backward) plus what the eager MoE block adds.
     extra_forward, extra_backward = moe_block_ops(m, local_experts)
+    if stack.grouped_gemm_streams > 1 and device.fp8_gemm_peak > 0:  # TE's multi-stream FP8 GroupedLinear
+        extra_forward += TE_FP8_HOST_OPS_PER_EXPERT[0] * local_experts
+        extra_backward += TE_FP8_HOST_OPS_PER_EXPERT[1] * local_experts
     work.forward_kernels = kernels[0] + 3 + extra_forward
     work.backward_kernels = kernels[1] + 5 + extra_backward
     parts = [b - a for a, b in zip(marks, marks[1:])]
@@ -156,22 +227,28 @@ def moe_mlp(work: PassWork, model: ModelSpec, split: MoETokens, ep: int, imbalan
 
 
 
+def etp_exchange(work: PassWork, model: ModelSpec, block: MoEBlock, etp_link: GroupLink, element_bytes: int) -> None:
+    """etp > 1: the etp group exchanges the dispatched copies around the experts, per micro-batch: an all-gather
+    of `block.expert_rows` rows forward and a reduce-scatter of the partial outputs, backward the reverse pair
+    (uneven rows, costed as the even collectives of the busiest rank's rows)."""
+    rows = block.expert_rows * model.hidden * element_bytes
+    exchange = all_gather_time(rows, etp_link) + reduce_scatter_time(rows, etp_link)
+    if exchange > 0:
+        work.collective("tp", exchange, exchange)
+
+
 def tp_split_block_comm(work: PassWork, model: ModelSpec, block: MoEBlock, hidden_bytes: float,
                         sequence_parallel: bool, tp_link: GroupLink, etp_link: GroupLink, element_bytes: int) -> None:
     """The collectives of an MoE block whose tp ranks each route their own tokens / tp (fivefold's runtime,
     runtime/expert_folding.py), per micro-batch:
-    - etp > 1: the etp group exchanges the dispatched copies (all-gather of `block.expert_rows` rows forward,
-      reduce-scatter of the partial outputs; backward the reverse pair), as all-to-alls of uneven rows;
+    - etp > 1: the etp group exchanges the dispatched copies (etp_exchange);
     - tp > 1 without sequence parallel: the replicated input is cut locally (backward: its gradient all-gathered,
       SplitSequence) and the output all-gathered (GatherSequence; backward keeps a part): one all-gather of the
       block's whole activation (`hidden_bytes`) each way;
     - tp > 1: the router's and shared experts' weights saw different tokens on each tp rank, so their
       gradients are all-reduced over tp in backward, one all-reduce per weight (SumGradient).
     Under sequence parallelism the input already is the rank's part: no activation collective over tp."""
-    rows = block.expert_rows * model.hidden * element_bytes
-    exchange = all_gather_time(rows, etp_link) + reduce_scatter_time(rows, etp_link)
-    if exchange > 0:
-        work.collective("tp", exchange, exchange)
+    etp_exchange(work, model, block, etp_link, element_bytes)
     if tp_link.size <= 1:
         return
     gather = 0.0 if sequence_parallel else all_gather_time(hidden_bytes, tp_link)

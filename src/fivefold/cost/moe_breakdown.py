@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from fivefold.cost.layer import LayerShape
-from fivefold.cost.layout import Layout, RankEnv, RankGroup
+from fivefold.cost.layout import Layout, RankEnv, RankGroup, layer_costs
 from fivefold.cost.memory import RankMemory, moe_dispatched_bytes
 from fivefold.cost.moe import moe_share
 from fivefold.cost.moe_block import MoETerms, moe_mlp, moe_tokens
@@ -21,6 +21,17 @@ def moe_layer_terms(layout: Layout, env: RankEnv, stack: SoftwareStack) -> MoETe
                        layout.sequence_parallel, stack.moe_splits_tokens_over_tp)
     return moe_mlp(PassWork(), layout.model, split, layout.ep, layout.train.expert_imbalance, env.device, stack,
                    env.ep).terms
+
+
+def host_sync_seconds(layout: Layout, env: RankEnv, stack: SoftwareStack) -> float:
+    """What the host sync on token counts adds to one (average) layer's passes for one micro-batch: the round trip
+    and the kernels issued behind it (MoETerms.host_sync), and the CPU's run-ahead lost at the sync
+    (passwork.synced_forward): the layer as costed, less the same layer with a sync-free dispatcher."""
+    if not stack.moe_dispatch_syncs_host:
+        return 0.0
+    synced = layer_costs(layout, env, stack).layer
+    free = layer_costs(layout, env, dataclasses.replace(stack, moe_dispatch_syncs_host=False)).layer
+    return (synced.forward + synced.recompute) - (free.forward + free.recompute)
 
 
 def with_moe_parts(estimate: Estimate, layout: Layout, slowest: RankGroup, fullest: RankGroup,
@@ -46,13 +57,14 @@ def with_moe_terms(breakdown: dict[str, float], layout: Layout, env: RankEnv, st
     gpu = {"moe_router": terms.router, "moe_permute": terms.permute, "moe_experts": terms.experts,
            "moe_shared_experts": terms.shared_experts}
     rest = breakdown["compute"] - count * sum(gpu.values())
-    host = breakdown.get("host_overhead", 0.0) - count * terms.host_sync
+    host_sync = layer_passes * host_sync_seconds(layout, env, stack)
+    host = breakdown.get("host_overhead", 0.0) - host_sync
     if rest < 0 or host < -1e-12:
         return breakdown
     out = {"compute": rest, **{key: count * value for key, value in gpu.items()}}
     for key, value in breakdown.items():
         if key == "host_overhead":
-            out[key], out["moe_host_sync"] = max(0.0, host), count * terms.host_sync
+            out[key], out["moe_host_sync"] = max(0.0, host), host_sync
         elif key != "compute":
             out[key] = value
     return out

@@ -8,6 +8,7 @@ import operator
 from typing import NamedTuple
 
 from fivefold.cost.compute import Device, elementwise_time, gemm_time
+from fivefold.cost.fp8 import gathers_fp8_weights, recipe_time_factor
 from fivefold.cost.stack import SoftwareStack
 
 
@@ -42,7 +43,7 @@ class PassWork:
     """Accumulates GPU seconds, CPU kernel launches and exposed communication of one pass."""
 
     __slots__ = ("forward", "backward_input", "backward_weight", "forward_comm", "backward_comm",
-                 "forward_kernels", "backward_kernels", "selective", "linear_forward", "host_wait")
+                 "forward_kernels", "backward_kernels", "selective", "linear_forward", "host_wait", "synced_at")
 
     def __init__(self) -> None:
         self.forward = self.backward_input = self.backward_weight = 0.0
@@ -52,6 +53,11 @@ class PassWork:
         self.selective = 0.0  # forward seconds that selective recompute repeats
         self.linear_forward = 0.0  # forward seconds of the block's linear layers
         self.host_wait = 0.0  # forward seconds the GPU idles after a host sync drained its queue (cost/moe_block.py)
+        self.synced_at: tuple[float, int] | None = None  # forward (GPU seconds, kernels) issued before a host sync
+
+    def host_sync(self) -> None:
+        """The CPU waits here for the GPU to finish the forward so far (cost/moe_block.py): mark the split."""
+        self.synced_at = (self.forward + sum(self.forward_comm.values()), self.forward_kernels)
 
     def gemm(self, device: Device, tokens: int, k: int, n: int, batch: int = 1,
              bias: bool = False, fp8: bool = False) -> tuple[float, float, float]:
@@ -86,7 +92,10 @@ class PassWork:
     def finish(self, stack: SoftwareStack, recompute: str) -> PassCost:
         forward_comm = sum(self.forward_comm.values())
         forward_gpu = self.forward + forward_comm
-        forward = with_host(forward_gpu, self.forward_kernels, stack) + self.host_wait
+        forward = with_host(forward_gpu, self.forward_kernels, stack)
+        if self.synced_at is not None:
+            forward = max(forward, synced_forward(forward_gpu, self.forward_kernels, self.synced_at, stack))
+        forward += self.host_wait
         backward_gpu = self.backward_input + self.backward_weight + sum(self.backward_comm.values())
         backward = with_host(backward_gpu, self.backward_kernels, stack)
         # CPU-bound time lands on the input-gradient part; W keeps its pure GPU time.
@@ -114,24 +123,49 @@ def with_host(gpu: float, kernels: int, stack: SoftwareStack) -> float:
     return max(gpu, host) + stack.host_serialization * min(gpu, host)
 
 
+def synced_forward(gpu: float, kernels: int, synced_at: tuple[float, int], stack: SoftwareStack) -> float:
+    """A forward pass with one host sync inside (the MoE dispatcher's token counts), as the repeating segment from
+    one layer's sync to the next: the part after the sync (B: dispatch to combine) is issued into an empty GPU
+    queue, the part before it (A: the next layer's attention and router) must finish before the next sync lets
+    the CPU go on. The GPU cannot start B's kernels before the CPU issues them, nor the CPU pass the sync before
+    the GPU ends A, so the segment takes max(C_B + max(C_A, G_A), G_B + G_A) (C: CPU issue seconds, G: GPU
+    seconds), not max(C_A + C_B, G_A + G_B) as without a sync, when the CPU runs ahead across both."""
+    gpu_a, kernels_a = synced_at
+    host_a = kernels_a * stack.host_seconds_per_kernel
+    host_b = (kernels - kernels_a) * stack.host_seconds_per_kernel
+    return max(host_b + max(host_a, gpu_a), gpu)
+
+
 def fp8_linear(work: PassWork, device: Device, stack: SoftwareStack, tokens: int, k: int, n: int,
-                batch: int = 1, bias: bool = False) -> tuple[float, float, float]:
-    """A block linear layer; under FP8 training its GEMMs run in FP8 with dynamic (tensor-wise) scaling
-    (TorchTitan's Float8 / torchao, Megatron's FP8 recipe) and the casts that scaling needs:
-    the amax and cast of the input forward and of the output gradient backward (read 2 bytes for the
-    amax, read 2 and write 1 for the cast: 5 bytes per element, 3 when compiled or fused kernels fold
-    the amax into the producer), the FP8 transposes the dgrad and wgrad GEMMs need (1 byte read, 1
-    written), and the weight's cast, which an FP8 all-gather does on the shard before gathering instead."""
+               batch: int = 1, bias: bool = False) -> tuple[float, float, float]:
+    """A block linear layer; under FP8 training its GEMMs run in FP8 with the stack's scaling recipe
+    (cost/fp8.py; dynamic tensorwise by default: TorchTitan's Float8 / torchao, Megatron's current scaling) and
+    the casts that scaling needs: the amax and cast of the input forward and of the output gradient backward
+    (read 2 bytes for the amax, read 2 and write 1 for the cast: 5 bytes per element, 3 when compiled or fused
+    kernels fold the amax into the producer), the FP8 transposes the dgrad and wgrad GEMMs need (1 byte read, 1
+    written), and the weight's cast, which an FP8 all-gather does on the shard before gathering instead.
+    Rowwise casts every operand once per GEMM axis instead of transposing; TE's delayed and blockwise recipes
+    scale the whole (cost/fp8.py recipe_time_factor)."""
     if device.fp8_gemm_peak <= 0:
         return work.gemm(device, tokens, k, n, batch, bias)
     times = work.gemm(device, tokens, k, n, batch, bias, fp8=True)
+    factor = recipe_time_factor(stack.fp8_recipe)
+    if factor != 1.0:  # the recipe's GEMMs against the tensorwise ones costed above
+        extra = [(factor - 1.0) * seconds for seconds in times]
+        work.forward += extra[0]
+        work.linear_forward += extra[0]
+        work.backward_input += extra[1]
+        work.backward_weight += extra[2]
+        times = (factor * times[0], factor * times[1], factor * times[2])
     cast = 3.0 if stack.fused_elementwise else 5.0
     x, g, w = tokens * k * batch, tokens * n * batch, k * n * batch
-    weight_cast = 0.0 if stack.features.fp8_all_gather else cast * w
-    work.elementwise(device, cast * x + weight_cast, cast * g + 2.0 * (x + g + w), 2, 4)
+    if stack.fp8_recipe == "rowwise":  # x and W along K forward; g and W along N, x and g along tokens backward
+        work.elementwise(device, cast * (x + w), cast * (2 * g + x + w), 2, 4)
+        return times
+    weight_cast = 0.0 if gathers_fp8_weights(stack) else cast * w
+    te_scale = factor if stack.fp8_recipe in ("delayed", "blockwise") else 1.0
+    work.elementwise(device, te_scale * (cast * x + weight_cast), te_scale * (cast * g + 2.0 * (x + g + w)), 2, 4)
     return times
-
-
 
 
 def mlp(work: PassWork, device: Device, stack: SoftwareStack, rows: int, hidden: int, width: int, swiglu: bool,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fivefold.cost.cache import IdentityCache
-from fivefold.cost.moe import expert_gradient_stack, moe_block_ops, moe_mlp_traffic, moe_share
+from fivefold.cost.moe import moe_share
 from fivefold.errors import SpecError
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.units import GIB
@@ -114,6 +114,10 @@ class SoftwareStack:
     #                                          dispatched copies; router and shared-expert gradients summed over
     #                                          tp (runtime/expert_folding.py; cost/moe_block.py)
     moe_dispatch_syncs_host: bool = True  # MoE dispatch copies token counts to the host first (cost/moe_block.py)
+    grouped_gemm_streams: int = 0  # MoE experts: 0, one grouped GEMM launch; k, a GEMM per expert, k streams (TE's
+    #                                GroupedLinear: 4; fivefold's GroupedExperts, a Python loop over experts: 1)
+    expert_gate_separate: bool = False  # SwiGLU experts launch gate and up as two GEMMs (fivefold's GroupedExperts)
+    fp8_recipe: str = "tensorwise"  # FP8 scaling: tensorwise | rowwise (torchao), current | delayed | blockwise (TE)
     moe_dispatch_per_node: bool = False  # DeepEP: one network copy of a token per destination node, forwarded
     #                                      over NVLink to its experts there (cost/moe_block.py dispatch_time)
     features: Features = Features()  # what the software can run at all
@@ -130,14 +134,17 @@ class SoftwareStack:
 
 
 STACKS: dict[str, SoftwareStack] = {
-    # Everything current software offers somewhere (no single framework): the planner's open-ended view, with
-    # no measured rows of its own (error band: credibility.UNMEASURED_BAND); no longer the default.
+    # Everything current software offers somewhere (no single framework): no measured rows (UNMEASURED_BAND).
     "modern": SoftwareStack(features=Features(fp8=True, fp8_all_gather=True, vocab_parallel=True,
-                                              built_on="any current framework; no measured rows")),
-    # Megatron-Core with Transformer Engine as NVIDIA benchmarks it: TP communication overlapped with
-    # GEMMs, distributed optimizer with overlapped gradient reduce and parameter gather.
+                                              built_on="any framework; no rows")),
+    # Megatron-Core with Transformer Engine as NVIDIA benchmarks it: TP communication overlapped with GEMMs,
+    # distributed optimizer with overlapped gradient reduce and parameter gather. 13.5 us per op: one PyTorch
+    # Linear forward issued from Python on a DGX H100 (TransformerEngine issue #2053); experts as TE's
+    # GroupedLinear, a cuBLAS GEMM per expert on TE's 4 compute streams (multi_stream.cpp); FP8 with delayed
+    # scaling, TransformerConfig.fp8_recipe's default (Megatron-LM d98e8a6).
     "megatron-core": SoftwareStack(
-        name="megatron-core", overlap_tp_comm=True, unfused_cross_entropy=True,
+        name="megatron-core", overlap_tp_comm=True, unfused_cross_entropy=True, host_seconds_per_kernel=13.5e-6,
+        grouped_gemm_streams=4, fp8_recipe="delayed",
         features=Features(schedules=("1f1b", "interleaved-1f1b"), zero_levels=(0, 1, 3),
                           cp_methods=("allgather", "ulysses"), fp8=True,
                           built_on="Megatron-Core + Transformer Engine, distributed optimizer, Megatron-FSDP "
@@ -168,13 +175,14 @@ STACKS: dict[str, SoftwareStack] = {
     # kernels are TorchTitan's eager ones (the same FSDP2 / DTensor / SDPA blocks without torch.compile): the
     # unfused element-wise traffic of eager_ops and SDPA's FlashAttention-2, the two terms that reproduce
     # TorchTitan's eager rows (Llama 3.1 8B, compile off: +0% and +4%, docs/validation.md); `--compile` fuses.
+    # Experts as models/moe.py runs them: a GEMM per expert, one after the other (cost/moe_block.py).
     "fivefold": SoftwareStack(name="fivefold", dropout=False, overlap_tp_backward=False, grad_reduce_bytes=4,
-                              fused_elementwise=False, sdpa_flash2=True,
-                              pipeline_keeps_outputs=True, optimizer_temporary_bytes=4.0,
-                              selective_saves_ops=True, selective_saves_every_matmul=True, loss_fp32_copies=3,
+                              fused_elementwise=False, sdpa_flash2=True, pipeline_keeps_outputs=True,
+                              optimizer_temporary_bytes=4.0, selective_saves_ops=True,
+                              selective_saves_every_matmul=True, loss_fp32_copies=3,
                               pipeline_returns_outputs=False, tp_gathers_logits=True, moe_splits_tokens_over_tp=True,
-                              pipeline_defers_grad_sync=True, zero2_reshards_after_backward=True,
-                              eager_host_costs=True, features=Features(
+                              grouped_gemm_streams=1, expert_gate_separate=True, pipeline_defers_grad_sync=True,
+                              zero2_reshards_after_backward=True, eager_host_costs=True, features=Features(
                                   vocab_parallel=True,  # runtime: --vocab-parallel (issue 26)
                                   built_on="FSDP2, DTensor TP, torch.distributed.pipelining, own CP, MoE folding, "
                                            "vocabulary parallel, eager")),
@@ -221,76 +229,6 @@ def on_host_profiled_cpu(stack: SoftwareStack) -> SoftwareStack:
 def with_compile(stack: SoftwareStack, compiled: bool = True) -> SoftwareStack:
     """`stack` running with torch.compile per transformer block (`fivefold train --compile`) or without."""
     return replace(stack, compiled_blocks=compiled, fused_elementwise=True) if compiled else stack
-
-
-# What one compiled transformer block dispatches per micro-batch (forward, backward) on CPU under inductor:
-# the matmuls and attention as extern kernels, the element-wise ops fused into a few C++ kernels, the
-# AOTAutograd function around the graph.
-COMPILED_BLOCK_OPS = (14, 26)
-
-
-@dataclass(frozen=True)
-class EagerOps:
-    """Aten ops fivefold's eager runtime (fivefold.models, the runtime's loss) dispatches for one
-    micro-batch; the host cost of a pass on a CPU is these counts x the profile's seconds per op."""
-
-    layer_forward: float  # one transformer block (an average block for a mixed MoE model)
-    layer_backward: float
-    embedding_forward: int  # token (and learned position) embedding, first stage
-    embedding_backward: int
-    head_forward: int  # final norm, LM head and cross-entropy loss, last stage
-    head_backward: int
-    stage_forward: int  # every stage model: its position ids
-    layer_forward_traffic: float  # elements per token one block's unfused forward moves beyond cost/layer.py's
-    layer_backward_traffic: float  # fused element-wise kernels (forward, backward)
-    layer_backward_fixed: float = 0.0  # elements one block's backward moves per micro-batch with whole experts
-    #                                    (MoE: cost/moe.py; etp splits it)
-
-
-def eager_ops(model: ModelSpec, ep: int = 1) -> EagerOps:
-    """The counts for this model's block variant, counted with a TorchDispatchMode on torch 2.13
-    (tests/test_cost_eager_counts.py recounts them on the runtime's modules). MoE models: the average
-    block over their dense and MoE layers, an MoE block holding experts / ep experts (cost/moe.py).
-
-    The GPT block (LayerNorm, learned positions, GeLU, biases, one kv head per head) dispatches 39 ops
-    forward and 93 backward; RoPE adds the cos/sin tables and two rotations (28 / 14); SwiGLU the gate
-    (5 / 6); RMSNorm, unfused, more than LayerNorm, and the Llama block drops the attention biases
-    (12 / 18); grouped-query attention the repeat_interleave of K and V (8 / 7). The head's count
-    includes the loss, whose targets (a slice of the batch) are copied when flattened.
-
-    Traffic: the element-wise ops of a block (all but the matmuls and attention) read and write, per
-    token, 44h + 9f + 7kv elements forward and 82h + 9f + 2kv backward in the Llama block (h hidden, f
-    MLP width, kv the K/V width; fitted over 7 shapes, within 3%): unfused RMSNorm (pow, mean, rsqrt,
-    two products), RoPE's rotations, SwiGLU's product, GQA's repeated K/V, autograd's gradient sums. The
-    fused kernels of cost/layer.py charge 12h + 3f + 2kv and 10h + 5f + 2kv of it. The GPT block
-    (LayerNorm and GeLU are single ops) moves 10h + 2f and 23h + 4f: the fused forward, and a backward
-    15h + f heavier. Other mixtures take the formula of their position encoding's family."""
-    rope, swiglu = model.position == "rope", model.mlp == "swiglu"
-    rms, grouped = model.norm == "rmsnorm", model.kv_heads < model.heads
-    learned = model.position == "learned"
-    h, f, kv = model.hidden, model.ffn_hidden, model.kv_heads * model.head_dim
-    # Traffic beyond the MLP's, then the dense MLP's (which an MoE block replaces).
-    forward_traffic, backward_traffic = (32.0 * h + 5 * kv, 72.0 * h) if rope else (0.0, 15.0 * h)
-    mlp_traffic = (6 * f, 4 * f) if rope else (0, f)
-    forward = 39.0 + 28 * rope + 5 * swiglu + 12 * rms + 8 * grouped
-    backward = 93.0 + 14 * rope + 6 * swiglu + 18 * rms + 7 * grouped
-    fixed = 0.0
-    share = moe_share(model)
-    if share > 0:
-        local = model.experts // ep
-        extra_forward, extra_backward = moe_block_ops(model, local)
-        moe_forward, moe_backward = moe_mlp_traffic(model)
-        forward, backward = forward + share * extra_forward, backward + share * extra_backward
-        forward_traffic += share * moe_forward
-        backward_traffic += share * moe_backward
-        fixed = share * expert_gradient_stack(model, local)
-    forward_traffic += (1 - share) * mlp_traffic[0]
-    backward_traffic += (1 - share) * mlp_traffic[1]
-    return EagerOps(
-        layer_forward=forward, layer_backward=backward,
-        embedding_forward=1 + 2 * learned, embedding_backward=1 + 4 * learned,
-        head_forward=13 + 6 * rms, head_backward=19 + 15 * rms, stage_forward=1,
-        layer_forward_traffic=forward_traffic, layer_backward_traffic=backward_traffic, layer_backward_fixed=fixed)
 
 
 @dataclass(frozen=True)

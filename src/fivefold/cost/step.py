@@ -23,7 +23,7 @@ How the step time is composed (the simulator replays exactly this from Estimate.
 On a profiled CPU rank (Calibration.host) a stack with `eager_host_costs` becomes its CPU variant
 (host.stack_on_profiled_cpu: one collective per FSDP module, reductions overlapped only where the runtime
 overlaps them on gloo) and adds its measured host costs in series (one thread computes and dispatches):
-each pass costs its eager ops (stack.eager_ops) x seconds per op (DTensor's with tp > 1, and what each
+each pass costs its eager ops (cost/eager_ops.py) x seconds per op (DTensor's with tp > 1, and what each
 DTensor collective costs beyond the collective), plus the FSDP2 hooks of each wrapped module (each block and
 each stage model) when dp > 1, and the memory traffic of its unfused element-wise ops beyond the fused
 kernels; the zero-bubble schedules' split backward adds its graph walks to the W pass of every stage but
@@ -45,6 +45,7 @@ from fivefold.cost.comm import GroupLink, Topology, p2p_time, topology_of
 from fivefold.cost.dataparallel import (data_parallel_time, fsdp_host_time, optimizer_host_time, optimizer_time,
                                        parameter_tensors)
 from fivefold.cost.flops import hardware_flops_per_step, model_flops_per_step
+from fivefold.cost.fp8 import gathers_fp8_weights
 from fivefold.cost.host import (bookkeeping_time, ddp_on_cpu, split_backward_host, stack_on_profiled_cpu,
                                  with_host_costs)
 from fivefold.cost.layer import padded_vocab
@@ -253,7 +254,7 @@ def _memory(layout: Layout, ranks: _RankGroups, headroom: float) -> _Memory:
         logits += (m_batches - 1) * kept_output_bytes(stack, e) * tokens * vocab_share
     # FSDP2 with torchao's FP8 all-gather gathers the block weights already cast: the unsharded weight FSDP2
     # holds is that FP8 tensor (fsdp_post_all_gather wraps the gathered bytes), 1 byte per element.
-    fp8_gathered = layout.train.dtype == "fp8" and stack.features.fp8_all_gather and layout.zero == 3
+    fp8_gathered = layout.train.dtype == "fp8" and gathers_fp8_weights(stack) and layout.zero == 3
     gathered_bytes = 1 if fp8_gathered else e
     layer_params = sum(stage_params(layout, 1, False, False, vocab_rows=False))
     layer_weights = 2 * layer_params * gathered_bytes if layout.zero == 3 else 0.0  # this + next
