@@ -60,6 +60,9 @@ def add_layout_flags(parser: argparse.ArgumentParser, for_search: bool = False) 
     group.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None,
                        help="ZeRO level; 3 = FSDP (default: 0)")
     if not for_search:
+        group.add_argument("--vocab-parallel", action="store_true", default=False,
+                           help="split the embedding, the output layer and the loss by vocabulary over the pp "
+                                "ranks (Yeung et al. 2024; needs pp > 1)")
         group.add_argument("--plan", default=None, help="a plan TOML file (replaces all the flags above)")
 
 
@@ -137,7 +140,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
 
     if getattr(args, "plan", None):
         return load_plan(args.plan)
-    return layout_plan(*specs_from_args(args), **layout_from_args(args))
+    plan = layout_plan(*specs_from_args(args), **layout_from_args(args))
+    return plan.replace(vocab_parallel=True) if getattr(args, "vocab_parallel", False) else plan
 
 
 def add_run_flags(p: argparse.ArgumentParser) -> None:

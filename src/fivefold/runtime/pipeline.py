@@ -22,6 +22,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from fivefold.models import Transformer, build_model
+from fivefold.runtime.vocab_parallel import VocabParallel, vocab_schedule
 from fivefold.spec import Plan
 
 SCHEDULE_CLASSES = {
@@ -56,6 +57,9 @@ def build_stage_model(plan: Plan, stage: int) -> Transformer:
     if stage != plan.num_stages - 1:
         model.norm = None
         model.output = None
+    if plan.vocab_parallel:  # the token embedding and the head are split over the pp ranks (vocab_parallel.py)
+        model.tok_embeddings = None
+        model.output = None
     # A later stage receives hidden states that sequence parallel may have split along the sequence,
     # so the model cannot count positions from its input; give it the whole sequence's positions.
     model.register_forward_pre_hook(_positions_of_whole_sequence(plan.train.seq_len), with_kwargs=True)
@@ -72,12 +76,16 @@ def _positions_of_whole_sequence(seq_len: int):
 
 def build_schedule(plan: Plan, stage_models: dict[int, nn.Module], pp_group: torch.distributed.ProcessGroup,
                    device: torch.device, micro_batches: int,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> _PipelineSchedule:
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   vocab: VocabParallel | None = None) -> _PipelineSchedule:
     """A schedule over this rank's stages. `loss_fn` is already normalised by the global token count,
-    so gradients are summed over micro-batches (scale_grads=False), never averaged."""
+    so gradients are summed over micro-batches (scale_grads=False), never averaged. With `vocab`
+    (--vocab-parallel) the loss is its vocabulary passes, placed in torch's action lists."""
     stages = [PipelineStage(module, stage_index=index, num_stages=plan.num_stages, device=device, group=pp_group)
               for index, module in sorted(stage_models.items())]
     schedule_class = SCHEDULE_CLASSES[plan.schedule]
+    if vocab is not None:
+        return vocab_schedule(schedule_class, stages, micro_batches, vocab)
     if plan.schedule in SINGLE_STAGE_SCHEDULES:
         return schedule_class(stages[0], n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=False)
     return schedule_class(stages, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=False)
