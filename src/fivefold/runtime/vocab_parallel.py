@@ -111,9 +111,10 @@ class VocabParallel:
     """One rank's share of the embedding, the head and the loss (see the module docstring)."""
 
     def __init__(self, plan: Plan, coords: dict[str, int], slices: Transformer, global_tokens: int,
-                 vocab_group: dist.ProcessGroup, grad_group: dist.ProcessGroup | None) -> None:
+                 vocab_group: dist.ProcessGroup, grad_group: dist.ProcessGroup | None,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
         self.plan, self.slices, self.global_tokens = plan, slices, global_tokens
-        self.group, self.grad_group = vocab_group, grad_group
+        self.group, self.grad_group, self.tp_group = vocab_group, grad_group, tp_group
         owner = functools.partial(plan.rank_of, dp=coords["dp"], cp=coords["cp"], tp=coords["tp"])
         self.first_rank = owner(pp=plan.stage_owner(0))
         self.last_rank = owner(pp=plan.stage_owner(plan.num_stages - 1))
@@ -246,7 +247,11 @@ class VocabParallel:
             param.grad = DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
                                             stride=param.stride())
         assert not self.hidden and not self.grad_hidden, "a micro-batch missed its vocabulary pass"
-        return self.loss if self.rank == self.last_rank else None
+        if self.rank != self.last_rank:
+            return None
+        if self.sequence_slice is not None:  # each tp rank has its slice's loss; the step reports tp rank 0's
+            dist.all_reduce(self.loss, group=self.tp_group)
+        return self.loss
 
 
 def vocab_schedule(schedule_class: type, stages: list, micro_batches: int, vocab: VocabParallel
@@ -368,4 +373,5 @@ def build_vocab_parallel(plan: Plan, mesh, seed: int, global_tokens: int) -> Voc
     grad_group = None
     if plan.dp * plan.cp * (plan.tp if sequence_split else 1) > 1:
         grad_group, _ = dist.new_subgroups_by_enumeration(list(replicas.values()))
-    return VocabParallel(plan, mesh.coords, slices, global_tokens, vocab_group, grad_group)
+    return VocabParallel(plan, mesh.coords, slices, global_tokens, vocab_group, grad_group,
+                         mesh.group("tp") if sequence_split else None)
