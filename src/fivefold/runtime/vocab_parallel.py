@@ -47,7 +47,7 @@ from fivefold.errors import require
 from fivefold.models import Transformer, build_model, init_weights
 from fivefold.spec import Plan
 
-VOCAB_SCHEDULES = ("1f1b", "interleaved-1f1b", "zbv")  # the schedules the parity tests run with --vocab-parallel
+VOCAB_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")  # all of fivefold's schedules
 
 
 class VocabPass(str, Enum):
@@ -261,8 +261,10 @@ def vocab_schedule(schedule_class: type, stages: list, micro_batches: int, vocab
     if issubclass(schedule_class, _PipelineScheduleRuntime):
         schedule = schedule_class(stages, n_microbatches=micro_batches, loss_fn=vocab.loss_fn, scale_grads=False)
         order = schedule.pipeline_order
-    else:  # 1F1B; torch 2.13's Schedule1F1B._get_pipeline_order starts the last stage at micro-batch 1
-        order = one_f_one_b_order(stages[0].num_stages, micro_batches)
+    else:  # GPipe and 1F1B run their own loops; torch 2.13's Schedule1F1B._get_pipeline_order starts the last
+        # stage at micro-batch 1, so their lists are written here
+        order = (one_f_one_b_order if schedule_class.__name__ == "Schedule1F1B" else gpipe_order)(
+            stages[0].num_stages, micro_batches)
         schedule = _PipelineScheduleRuntime(stages, n_microbatches=micro_batches, loss_fn=vocab.loss_fn,
                                             scale_grads=False)
     schedule._prepare_schedule_with_comms(order)  # torch's own lowering: sends, receives, FSDP, grad reduction
@@ -287,6 +289,12 @@ def one_f_one_b_order(stages: int, micro_batches: int) -> dict[int, list[_Action
         actions += [_Action(rank, FULL_BACKWARD, i) for i in range(micro_batches - warmup, micro_batches)]
         order[rank] = actions
     return order
+
+
+def gpipe_order(stages: int, micro_batches: int) -> dict[int, list[_Action | None]]:
+    """GPipe (Huang et al. 2019) as action lists: every forward, then every backward, on each stage."""
+    return {rank: [*(_Action(rank, FORWARD, i) for i in range(micro_batches)),
+                   *(_Action(rank, FULL_BACKWARD, i) for i in range(micro_batches))] for rank in range(stages)}
 
 
 def splice_vocab_passes(lowered: list[_Action], compute_with_passes: list[_Action]) -> list[_Action]:
