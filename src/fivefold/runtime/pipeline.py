@@ -22,7 +22,8 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from fivefold.models import Transformer, build_model
-from fivefold.runtime.vocab_parallel import VocabParallel, vocab_schedule
+from fivefold.runtime.vocab_parallel import VocabParallel
+from fivefold.runtime.vocab_schedule import vocab_schedule
 from fivefold.spec import Plan
 
 SCHEDULE_CLASSES = {

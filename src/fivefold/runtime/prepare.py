@@ -58,8 +58,6 @@ def prepare_run(plan: Plan, config: RunConfig, *, nproc: int | None, plan_file: 
     config.diloco(plan)  # --dp-sync diloco against this plan: the outer groups must split its dp
     if plan.vocab_parallel:
         require(config.dp_sync == "sync", "--vocab-parallel", True, "runs with --dp-sync sync only")
-        require(not config.eval_data, "--vocab-parallel", True, "has no forward-only (validation) pass yet; "
-                                                                 "leave out --eval-data")
     data = check_data(plan, config.data, config.tokenizer, config.text_field)
     eval_data = check_data(plan, config.eval_data, config.tokenizer, config.text_field, "--eval-data") \
         if config.eval_data else None

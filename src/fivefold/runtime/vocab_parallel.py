@@ -18,43 +18,33 @@ What runs where (`--vocab-parallel`, pp ranks r = 0..pp-1, vocabulary rows [star
   Per micro-batch of T tokens (this rank's part of the sequence) over the pp group: a broadcast of T x hidden,
   an all-reduce of T (max) and of 2T (sums), a reduce of T x hidden; per step, a reduce and a broadcast of the
   replica's embedding (rows x seq x hidden) and an all-reduce of the slices' gradients over dp x cp (x tp
-  under sequence parallel), which saw other tokens. The paper's S and T passes overlap these with compute; here the pass is one blocking action.
+  under sequence parallel), which saw other tokens. The paper's S and T passes overlap these with compute;
+  here the pass is one blocking action.
 
-Placement of the V passes: collectives over the pp group must come in the same order on every rank, so the V
-pass of micro-batch i goes into every rank's list where a dependency-driven walk of the compute-only schedule
-stands when the last stage has finished its forward of i (insert_vocab_passes). The walk is a valid execution
-of the lists with V as a barrier, so the lists cannot deadlock. The passes use a process group of their own,
-so they never queue behind the schedule's point-to-point traffic.
+Placement of the V passes in each rank's action list: runtime/vocab_schedule.py. The passes use a process group
+of their own, so they never queue behind the schedule's point-to-point traffic.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from enum import Enum
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining.schedules import (BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD,
-                                                    _Action, _PipelineScheduleRuntime)
+from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import Replicate
 
 from fivefold.errors import require
 from fivefold.models import Transformer, build_model, init_weights
+from fivefold.runtime.vocab_schedule import VocabPass
 from fivefold.spec import Plan
 
 VOCAB_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")  # all of fivefold's schedules
-
-
-class VocabPass(str, Enum):
-    """The action type of a vocabulary pass in torch's action lists (`.value` is what its repr prints)."""
-
-    VOCAB = "VOCAB"
-
 
 def check_vocab_parallel_runnable(plan: Plan) -> None:
     """One SpecError line for a vocabulary-parallel plan the runtime cannot run."""
@@ -62,8 +52,6 @@ def check_vocab_parallel_runnable(plan: Plan) -> None:
         return
     require(plan.schedule in VOCAB_SCHEDULES, "--vocab-parallel", True,
             f"runs with --schedule {', '.join(VOCAB_SCHEDULES)}; not {plan.schedule}")
-    require(not plan.model.is_moe, "--vocab-parallel", True,
-            f"is not built for mixture-of-experts models yet ({plan.model.name}); leave it out")
     require(not (plan.model.position == "learned" and plan.tp > 1), "--vocab-parallel", True,
             "with learned position embeddings (GPT style) runs with tp=1 only")
     require(plan.model.vocab >= plan.pp, "--vocab-parallel", True,
@@ -99,12 +87,12 @@ class _HeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, vocab: "VocabParallel", index: int) -> torch.Tensor:
-        ctx.vocab, ctx.index = vocab, index
-        return hidden.new_zeros(())
+        ctx.vocab, ctx.index, ctx.dtype = vocab, index, hidden.dtype
+        return hidden.new_zeros((), dtype=torch.float32)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.vocab.grad_hidden.pop(ctx.index) * grad, None, None
+        return (ctx.vocab.grad_hidden.pop(ctx.index) * grad).to(ctx.dtype), None, None
 
 
 class VocabParallel:
@@ -129,9 +117,12 @@ class VocabParallel:
         self.targets: list[torch.Tensor] = []
 
     # --- the stage hooks -------------------------------------------------------------------------
-    def attach(self, parts: dict[int, nn.Module], schedule: _PipelineScheduleRuntime) -> None:
+    def attach(self, parts: dict[int, nn.Module], schedule: _PipelineScheduleRuntime,
+               action_lists: dict[bool, dict[int, list[_Action]]]) -> None:
         """Catch stage 0's input gradients, and mark torch's shape inference (it runs the stages and the loss
-        once on the first step) so that it touches no micro-batch state."""
+        once on the first step) so that it touches no micro-batch state. `action_lists`: the schedule's lists
+        with the vocabulary passes, for training (True) and for the forward-only pass (False)."""
+        self.schedule, self.action_lists = schedule, action_lists
         if 0 in parts:
             parts[0].register_forward_pre_hook(self._catch_input_gradient)
         initialize = schedule._initialize_pp_stages
@@ -172,8 +163,12 @@ class VocabParallel:
         index, parts = self.sequence_slice
         return x.chunk(parts, dim=1)[index]
 
-    def begin(self, inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int) -> torch.Tensor | None:
-        """Start a step: the embedding of this replica's rows (on the rank of stage 0; None elsewhere)."""
+    def begin(self, inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int, training: bool = True
+              ) -> torch.Tensor | None:
+        """Start a step (`training`) or a forward-only pass (validation): the embedding of this replica's rows
+        (on the rank of stage 0; None elsewhere)."""
+        self.training = training
+        self.schedule.pipeline_order_with_comms = self.action_lists[training]
         self.targets = list(self.columns(targets).split(micro_batch))
         self.forwards = self.losses = 0
         self.hidden: dict[int, torch.Tensor] = {}
@@ -218,6 +213,8 @@ class VocabParallel:
         total, target_logit = sums[0], sums[1]
         if self.rank == self.last_rank:
             self.loss += (total.log() + peak - target_logit).sum() / self.global_tokens
+        if not self.training:
+            return
         grad_logits = exps.div_(total.unsqueeze(-1))
         hit = inside.nonzero().squeeze(-1)
         grad_logits[hit, rows[hit]] -= 1.0
@@ -232,6 +229,16 @@ class VocabParallel:
     def finish(self, micro_batches: int) -> torch.Tensor | None:
         """End a step: the embedding rows' gradients from stage 0's input gradients, the slices' gradients summed
         over the ranks that saw other tokens, set as DTensor gradients; the step's loss on the last stage."""
+        if self.training:
+            self._set_gradients(micro_batches)
+        assert not self.hidden and not self.grad_hidden, "a micro-batch missed its vocabulary pass"
+        if self.rank != self.last_rank:
+            return None
+        if self.sequence_slice is not None:  # each tp rank has its slice's loss; the step reports tp rank 0's
+            dist.all_reduce(self.loss, group=self.tp_group)
+        return self.loss
+
+    def _set_gradients(self, micro_batches: int) -> None:
         table = self.embedding.to_local()
         if self.rank == self.first_rank:
             assert sorted(self.input_grads) == list(range(micro_batches)), sorted(self.input_grads)
@@ -246,122 +253,6 @@ class VocabParallel:
                 dist.all_reduce(local, group=self.grad_group)
             param.grad = DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
                                             stride=param.stride())
-        assert not self.hidden and not self.grad_hidden, "a micro-batch missed its vocabulary pass"
-        if self.rank != self.last_rank:
-            return None
-        if self.sequence_slice is not None:  # each tp rank has its slice's loss; the step reports tp rank 0's
-            dist.all_reduce(self.loss, group=self.tp_group)
-        return self.loss
-
-
-def vocab_schedule(schedule_class: type, stages: list, micro_batches: int, vocab: VocabParallel
-                   ) -> _PipelineScheduleRuntime:
-    """The plan's schedule as torch's action-list runtime, with a vocabulary pass per micro-batch (torch 2.13:
-    Schedule1F1B runs its own loop, so its action lists run under _PipelineScheduleRuntime instead)."""
-    if issubclass(schedule_class, _PipelineScheduleRuntime):
-        schedule = schedule_class(stages, n_microbatches=micro_batches, loss_fn=vocab.loss_fn, scale_grads=False)
-        order = schedule.pipeline_order
-    else:  # GPipe and 1F1B run their own loops; torch 2.13's Schedule1F1B._get_pipeline_order starts the last
-        # stage at micro-batch 1, so their lists are written here
-        order = (one_f_one_b_order if schedule_class.__name__ == "Schedule1F1B" else gpipe_order)(
-            stages[0].num_stages, micro_batches)
-        schedule = _PipelineScheduleRuntime(stages, n_microbatches=micro_batches, loss_fn=vocab.loss_fn,
-                                            scale_grads=False)
-    schedule._prepare_schedule_with_comms(order)  # torch's own lowering: sends, receives, FSDP, grad reduction
-    num_stages = stages[0].num_stages
-    with_passes = insert_vocab_passes({rank: [a for a in actions if a is not None] for rank, actions in order.items()},
-                                      num_stages - 1, micro_batches)
-    schedule.pipeline_order_with_comms = {rank: splice_vocab_passes(actions, with_passes[rank])
-                                          for rank, actions in schedule.pipeline_order_with_comms.items()}
-    vocab.attach({stage.stage_index: stage.submod for stage in stages}, schedule)
-    return schedule
-
-
-def one_f_one_b_order(stages: int, micro_batches: int) -> dict[int, list[_Action | None]]:
-    """1F1B (Narayanan et al. 2021, PipeDream-Flush) as action lists: stage r runs stages-1-r forwards, then one
-    forward and one backward at a time, then the remaining backwards (Schedule1F1B._step_microbatches' order)."""
-    order: dict[int, list[_Action | None]] = {}
-    for rank in range(stages):
-        warmup = min(stages - 1 - rank, micro_batches)
-        actions: list[_Action | None] = [_Action(rank, FORWARD, i) for i in range(warmup)]
-        for i in range(micro_batches - warmup):
-            actions += [_Action(rank, FORWARD, warmup + i), _Action(rank, FULL_BACKWARD, i)]
-        actions += [_Action(rank, FULL_BACKWARD, i) for i in range(micro_batches - warmup, micro_batches)]
-        order[rank] = actions
-    return order
-
-
-def gpipe_order(stages: int, micro_batches: int) -> dict[int, list[_Action | None]]:
-    """GPipe (Huang et al. 2019) as action lists: every forward, then every backward, on each stage."""
-    return {rank: [*(_Action(rank, FORWARD, i) for i in range(micro_batches)),
-                   *(_Action(rank, FULL_BACKWARD, i) for i in range(micro_batches))] for rank in range(stages)}
-
-
-def splice_vocab_passes(lowered: list[_Action], compute_with_passes: list[_Action]) -> list[_Action]:
-    """torch's lowered list of one rank (compute and communication) with each vocabulary pass placed before the
-    compute action that follows it in `compute_with_passes` (the send/receive posts are non-blocking)."""
-    passes_before: list[list[_Action]] = [[]]
-    for action in compute_with_passes:
-        if action.computation_type == VocabPass.VOCAB:
-            passes_before[-1].append(action)
-        else:
-            passes_before.append([])
-    result: list[_Action] = []
-    compute_seen = 0
-    for action in lowered:
-        if action.is_compute_op:
-            result.extend(passes_before[compute_seen])
-            compute_seen += 1
-        result.append(action)
-    assert compute_seen == len(passes_before) - 1, "the lowered list lost compute actions"
-    return result + passes_before[compute_seen]
-
-
-def insert_vocab_passes(order: dict[int, list[_Action]], last_stage: int, micro_batches: int
-                        ) -> dict[int, list[_Action]]:
-    """Each rank's compute actions with a VocabPass action per micro-batch, at the point where a dependency-
-    driven walk of all ranks stands when the last stage's forward of that micro-batch is done. Dependencies:
-    F(s, i) after F(s-1, i); B or I (s, i) after F(s, i) and B/I(s+1, i), the last stage's after V(i);
-    W(s, i) after I(s, i); V(i) after F(last, i), on every rank at once."""
-    done: set[tuple[str, int, int]] = set()
-    position = {rank: 0 for rank in order}
-    result: dict[int, list[_Action]] = {rank: [] for rank in order}
-    next_pass = 0
-
-    def ready(action: _Action) -> bool:
-        stage, kind, mb = action.stage_index, action.computation_type, action.microbatch_index
-        if kind == FORWARD:
-            return stage == 0 or ("F", stage - 1, mb) in done
-        if kind in (FULL_BACKWARD, BACKWARD_INPUT):
-            after = ("V", last_stage, mb) if stage == last_stage else None
-            later = stage == last_stage or ("B", stage + 1, mb) in done
-            return ("F", stage, mb) in done and later and (after is None or after in done)
-        if kind == BACKWARD_WEIGHT:
-            return ("B", stage, mb) in done
-        raise AssertionError(f"unexpected action {action} in a compute-only schedule")
-
-    while any(position[rank] < len(order[rank]) for rank in order):
-        progressed = False
-        for rank in sorted(order):
-            if position[rank] >= len(order[rank]):
-                continue
-            action = order[rank][position[rank]]
-            if not ready(action):
-                continue
-            kind = action.computation_type
-            done.add(("F" if kind == FORWARD else "W" if kind == BACKWARD_WEIGHT else "B",
-                      action.stage_index, action.microbatch_index))
-            result[rank].append(action)
-            position[rank] += 1
-            progressed = True
-            while next_pass < micro_batches and ("F", last_stage, next_pass) in done:
-                for other in result:
-                    result[other].append(_Action(last_stage, VocabPass.VOCAB, next_pass))  # type: ignore[arg-type]
-                done.add(("V", last_stage, next_pass))
-                next_pass += 1
-        assert progressed, "the compute-only schedule cannot be walked"
-    assert next_pass == micro_batches
-    return result
 
 
 def build_vocab_parallel(plan: Plan, mesh, seed: int, global_tokens: int) -> VocabParallel:
