@@ -1,5 +1,6 @@
-"""--vocab-parallel without processes: where the vocabulary passes go in each rank's action list, the rows each pp
-rank holds, and the one-line refusals. The parity runs (losses and grad norms against one process under 1f1b,
+"""--vocab-parallel without processes: where the vocabulary passes go in each rank's action list (1F1B and GPipe as
+fivefold writes them; interleaved-1f1b, zbv and zb-h1 as torch 2.13 builds them), the rows each pp rank holds, and
+the one-line refusals. The parity runs (losses and grad norms against one process under 1f1b,
 interleaved-1f1b and zbv with dp, tp and cp) are in test_parity_plans.py, the resume across plans in
 test_resume_plans.py."""
 
@@ -7,7 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.pipelining.schedules import BACKWARD_INPUT, FORWARD, FULL_BACKWARD, RECV_B, SEND_F, _Action
+from types import SimpleNamespace
+
+from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+from torch.distributed.pipelining.schedules import (BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, RECV_B,
+                                                    SEND_F, _Action)
 
 from fivefold.cli import main
 from fivefold.errors import SpecError
@@ -18,7 +23,8 @@ from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
 
 
 def _kind(action: _Action) -> str:
-    return {FORWARD: "F", FULL_BACKWARD: "B", BACKWARD_INPUT: "B"}.get(action.computation_type, "V")
+    return {FORWARD: "F", FULL_BACKWARD: "B", BACKWARD_INPUT: "B", BACKWARD_WEIGHT: "W"}.get(action.computation_type,
+                                                                                              "V")
 
 
 def walk_with_barriers(lists: dict[int, list[_Action]], last_stage: int) -> list[tuple[int, _Action]]:
@@ -34,8 +40,9 @@ def walk_with_barriers(lists: dict[int, list[_Action]], last_stage: int) -> list
                 continue
             action = lists[rank][at[rank]]
             kind, stage, mb = _kind(action), action.stage_index, action.microbatch_index
-            if kind == "V":
-                if all(at[r] < len(lists[r]) and lists[r][at[r]] == action for r in lists):
+            if kind == "V":  # needs the last stage's hidden states, and every rank at the same pass
+                if ("F", last_stage, mb) in done and all(at[r] < len(lists[r]) and lists[r][at[r]] == action
+                                                         for r in lists):
                     for r in lists:
                         at[r] += 1
                     done.add(("V", stage, mb))
@@ -48,6 +55,8 @@ def walk_with_barriers(lists: dict[int, list[_Action]], last_stage: int) -> list
             if kind == "B":
                 needs.append(("F", stage, mb))
                 needs.append(("V", stage, mb) if stage == last_stage else ("B", stage + 1, mb))
+            if kind == "W":
+                needs.append(("B", stage, mb))
             if all(n in done for n in needs):
                 done.add((kind, stage, mb))
                 executed.append((rank, action))
@@ -57,25 +66,60 @@ def walk_with_barriers(lists: dict[int, list[_Action]], last_stage: int) -> list
     return executed
 
 
-@pytest.mark.parametrize("make_order", [one_f_one_b_order, gpipe_order])
-@pytest.mark.parametrize("stages, micro_batches", [(2, 4), (4, 8), (4, 4)])
-def test_every_rank_runs_each_vocabulary_pass_in_order_and_the_lists_cannot_deadlock(make_order, stages,
-                                                                                       micro_batches):
-    order = make_order(stages, micro_batches)
+def torch_order(schedule_class: type, pp: int, micro_batches: int) -> dict[int, list[_Action]]:
+    """The compute-only action lists torch 2.13 builds for `schedule_class` (stages stubbed: no process group)."""
+    per_rank = 1 if schedule_class is ScheduleInterleavedZeroBubble else 2
+    stages = pp * per_rank
+
+    def owned(rank: int) -> list[int]:
+        if schedule_class is ScheduleZBVZeroBubble:
+            return [rank, stages - 1 - rank]
+        return [rank + k * pp for k in range(per_rank)]
+
+    orders = {}
+    for rank in range(pp):
+        stubs = [SimpleNamespace(stage_index=i, num_stages=stages, group_size=pp, group_rank=rank, submod=None)
+                 for i in owned(rank)]
+        schedule = schedule_class(stubs, n_microbatches=micro_batches, loss_fn=lambda out, target: out)
+        orders[rank] = [a for a in schedule.pipeline_order[rank] if a is not None]
+    return orders
+
+
+ORDERS = {
+    **{f"1f1b pp{p} m{m}": (p, m, one_f_one_b_order(p, m)) for p, m in ((2, 4), (4, 8), (4, 4))},
+    **{f"gpipe pp{p} m{m}": (p, m, gpipe_order(p, m)) for p, m in ((2, 4), (4, 8))},
+    **{f"{cls.__name__} pp{p} m{m}": (p * (1 if cls is ScheduleInterleavedZeroBubble else 2), m, torch_order(cls, p, m))
+       for cls in (ScheduleInterleaved1F1B, ScheduleZBVZeroBubble, ScheduleInterleavedZeroBubble)
+       for p, m in ((2, 4), (4, 8))},
+}
+
+
+@pytest.mark.parametrize("name", list(ORDERS))
+def test_every_rank_runs_each_vocabulary_pass_in_order_and_the_lists_cannot_deadlock(name):
+    stages, micro_batches, order = ORDERS[name]
     with_passes = insert_vocab_passes(order, stages - 1, micro_batches)
     last = stages - 1
+    last_rank = next(rank for rank, actions in order.items() if any(a.stage_index == last for a in actions))
     for rank, actions in with_passes.items():
         passes = [a.microbatch_index for a in actions if a.computation_type == VocabPass.VOCAB]
         assert passes == list(range(micro_batches)), rank
         assert [a for a in actions if a.computation_type != VocabPass.VOCAB] == order[rank]  # nothing else moved
-    last_rank = with_passes[last]
+    actions = with_passes[last_rank]
     for mb in range(micro_batches):  # the last stage: forward, then the pass, then its backward
-        forward = last_rank.index(_Action(last, FORWARD, mb))
-        vocab = last_rank.index(_Action(last, VocabPass.VOCAB, mb))  # type: ignore[arg-type]
-        backward = last_rank.index(_Action(last, FULL_BACKWARD, mb))
+        forward = actions.index(_Action(last, FORWARD, mb))
+        vocab = actions.index(_Action(last, VocabPass.VOCAB, mb))  # type: ignore[arg-type]
+        backward = next(i for i, a in enumerate(actions) if a.stage_index == last and a.microbatch_index == mb
+                        and a.computation_type in (FULL_BACKWARD, BACKWARD_INPUT))
         assert forward < vocab < backward
     executed = walk_with_barriers(with_passes, last)
     assert len(executed) == sum(len(order[r]) for r in order) + micro_batches
+
+
+def test_the_walk_catches_a_pass_placed_too_early():
+    order = one_f_one_b_order(2, 2)
+    early = {rank: [_Action(1, VocabPass.VOCAB, 0), *actions] for rank, actions in order.items()}  # type: ignore
+    with pytest.raises(AssertionError, match="deadlock"):
+        walk_with_barriers(early, 1)
 
 
 def test_one_f_one_b_order_is_pipedream_flush():
