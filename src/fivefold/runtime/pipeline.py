@@ -13,7 +13,8 @@ Schedules (torch class):
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from fivefold.models import Transformer, build_model
 from fivefold.runtime.vocab_parallel import VocabParallel
-from fivefold.runtime.vocab_schedule import vocab_schedule
+from fivefold.runtime.vocab_schedule import BACKWARD_ACTIONS, vocab_schedule
 from fivefold.spec import Plan
 
 SCHEDULE_CLASSES = {
@@ -92,6 +93,23 @@ def build_schedule(plan: Plan, stage_models: dict[int, nn.Module], pp_group: tor
     return schedule_class(stages, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=False)
 
 
+@contextlib.contextmanager
+def forward_actions_only(schedule: _PipelineSchedule) -> Iterator[None]:
+    """An action-list schedule without its backward actions while it runs forward-only: torch 2.13 keeps them in
+    the lists under eval(), and zbv's adjacent stages on one rank then fail ("can't steal_bwd_input if this stage
+    doesn't have backward")."""
+    lists = getattr(schedule, "pipeline_order_with_comms", None)
+    if lists is None:  # GPipe and 1F1B run their own loops
+        yield
+        return
+    schedule.pipeline_order_with_comms = {rank: [a for a in actions if a.computation_type not in BACKWARD_ACTIONS]
+                                          for rank, actions in lists.items()}
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = lists
+
+
 def run_schedule(schedule: _PipelineSchedule, plan: Plan, own_stages: list[int], inputs: torch.Tensor,
                  targets: torch.Tensor, extra: dict[str, torch.Tensor] | None = None,
                  forward_only: bool = False) -> torch.Tensor | None:
@@ -104,8 +122,9 @@ def run_schedule(schedule: _PipelineSchedule, plan: Plan, own_stages: list[int],
     losses: list[torch.Tensor] = []
     args = (inputs,) if holds_first else ()
     if forward_only:
-        schedule.eval(*args, target=targets if holds_last else None, losses=losses if holds_last else None,
-                      **(extra or {}))
+        with forward_actions_only(schedule):
+            schedule.eval(*args, target=targets if holds_last else None, losses=losses if holds_last else None,
+                          **(extra or {}))
     else:
         schedule.step(*args, target=targets if holds_last else None, losses=losses if holds_last else None,
                       return_outputs=False, **(extra or {}))
