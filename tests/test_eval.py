@@ -21,7 +21,9 @@ STEPS = 3
 PLANS = {"dp2": dict(dp=2, micro_batch=2), "dp2-fsdp": dict(dp=2, zero=3, micro_batch=2),
          "tp2": dict(tp=2, sequence_parallel=True, micro_batch=4), "pp2-1f1b": dict(pp=2, schedule="1f1b",
                                                                                     micro_batch=2),
-         "cp2": dict(cp=2, micro_batch=4)}
+         "cp2": dict(cp=2, micro_batch=4),
+         "pp2-zbv": dict(pp=2, schedule="zbv", virtual_stages=2, micro_batch=2),  # two stages on a rank
+         "pp2-vocab-zbv": dict(pp=2, schedule="zbv", virtual_stages=2, micro_batch=2, vocab_parallel=True)}
 
 
 def eval_file(folder: Path) -> Path:

@@ -54,6 +54,12 @@ PLANS: dict[str, tuple[int, str, dict]] = {
     "dp2xpp2-zbv-zero2-recompute": (4, "tiny", dict(dp=2, pp=2, zero=2, schedule="zbv", virtual_stages=2,
                                                     recompute="full", micro_batch=2)),
     "dp2xtp2xpp2": (8, "tiny", dict(dp=2, tp=2, pp=2, zero=1, sequence_parallel=True, micro_batch=2)),
+    # --vocab-parallel: embedding, head and loss split by vocabulary over the pp ranks (runtime/vocab_parallel.py)
+    "pp2-vocab-zbv": (2, "tiny", dict(pp=2, schedule="zbv", virtual_stages=2, micro_batch=2, vocab_parallel=True)),
+    "dp2xpp2-vocab-1f1b-zero1": (4, "tiny", dict(dp=2, pp=2, schedule="1f1b", zero=1, micro_batch=2,
+                                                 vocab_parallel=True)),
+    "tp2xpp2-vocab-interleaved-sp": (4, "tiny", dict(tp=2, pp=2, schedule="interleaved-1f1b", virtual_stages=2,
+                                                     sequence_parallel=True, micro_batch=2, vocab_parallel=True)),
 }
 
 

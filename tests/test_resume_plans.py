@@ -31,6 +31,7 @@ SOURCES = {
     "tp2-sync-save": (2, dict(tp=2, sequence_parallel=True, micro_batch=4), dict(checkpoint_async=False)),
     "pp2-1f1b": (2, dict(pp=2, schedule="1f1b", micro_batch=2), {}),
     "dp2xpp2": (4, dict(dp=2, pp=2, schedule="gpipe", micro_batch=2), {}),
+    "pp2-vocab-zbv": (2, dict(pp=2, schedule="zbv", virtual_stages=2, micro_batch=2, vocab_parallel=True), {}),
 }
 # Resumed runs: name -> (source, world, plan fields).
 RESUMES = {
@@ -41,6 +42,9 @@ RESUMES = {
     "pp2-1f1b -> pp2-interleaved-v2": ("pp2-1f1b", 2, dict(pp=2, schedule="interleaved-1f1b", virtual_stages=2,
                                                           micro_batch=2)),
     "dp2xpp2 -> dp1": ("dp2xpp2", 1, {}),
+    # the vocabulary slices are DTensors of the global shape: DCP reshards them to and from whole tensors
+    "pp2-vocab-zbv -> pp2-1f1b": ("pp2-vocab-zbv", 2, SOURCES["pp2-1f1b"][1]),
+    "pp2-1f1b -> pp2-vocab-zbv": ("pp2-1f1b", 2, SOURCES["pp2-vocab-zbv"][1]),
 }
 HF_PLANS = {"hf:single": (1, {}), "hf:dp2": (2, dict(dp=2, micro_batch=2)),
             "hf:tp2": (2, dict(tp=2, sequence_parallel=True, micro_batch=4)),

@@ -3,7 +3,7 @@
     [model]      model, init_from_hf, expert_imbalance
     [cluster]    cluster, nproc, device
     [layout]     plan, dp, tp, pp, cp, ep, cp_method, micro_batch, schedule, virtual_stages, layers_per_stage,
-                 recompute, sequence_parallel, zero
+                 recompute, sequence_parallel, zero, vocab_parallel
     [data]       data, text_field, tokenizer, seq_len, global_batch, document_mask, eval_data, eval_every,
                  eval_batches
     [optimizer]  lr, warmup_steps, lr_schedule, min_lr, decay_steps, weight_decay, betas, eps, grad_clip
@@ -28,7 +28,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("model", "init_from_hf", "expert_imbalance"),
     "cluster": ("cluster", "nproc", "device"),
     "layout": ("plan", "dp", "tp", "pp", "cp", "ep", "cp_method", "micro_batch", "schedule", "virtual_stages",
-               "layers_per_stage", "recompute", "sequence_parallel", "zero"),
+               "layers_per_stage", "recompute", "sequence_parallel", "zero", "vocab_parallel"),
     "data": ("data", "text_field", "tokenizer", "seq_len", "global_batch", "document_mask", "eval_data",
              "eval_every", "eval_batches"),
     "optimizer": ("lr", "warmup_steps", "lr_schedule", "min_lr", "decay_steps", "weight_decay", "betas", "eps",

@@ -213,7 +213,13 @@ def head_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link: 
     vocab = padded_vocab(m.vocab, t * vocab_split) // (t * vocab_split)
     work = PassWork()
     work.elementwise(device, 2 * norm_tokens * m.hidden * e, 3 * norm_tokens * m.hidden * e, 1, 2)
-    if tp_link.size > 1 and shape.sequence_parallel:
+    pp_only = vocab_split > 1 and t > 1 and not stack.vocab_parallel_over_tp
+    if pp_only:
+        # fivefold's runtime (runtime/vocab_parallel.py): each tp rank runs the whole vocab/pp slice on its own
+        # tokens (its sequence shard under sequence parallel, else all of them, as every tp rank does): no
+        # gather of the normed sequence or of the logits, the loss statistics reduced over pp only (cost/vocab.py)
+        tokens, vocab = norm_tokens, -(-m.vocab // vocab_split)
+    elif tp_link.size > 1 and shape.sequence_parallel:
         # the norm's sequence shards gathered forward, their gradient reduce-scattered backward
         work.collective("tp", all_gather_time(tokens * m.hidden * e, tp_link),
                         reduce_scatter_time(tokens * m.hidden * e, tp_link))
@@ -228,6 +234,9 @@ def head_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link: 
         # exp (8), sum (4), in-place division into the softmax kept for backward (8); backward multiplies
         # the softmax by the loss gradient in place (8) and casts it back to the logits' dtype (4 + e).
         forward_bytes, backward_bytes = e + 36, 12 + e
+    if pp_only:
+        work.elementwise(device, tokens * vocab * forward_bytes, tokens * vocab * backward_bytes, 18, 8)
+        return work.finish(stack, "none")
     gathered = tp_link.size > 1 and stack.tp_gathers_logits
     if gathered:  # every TP rank gets the whole logits and runs the loss on all of them (its backward: a slice)
         work.collective("tp", all_gather_time(tokens * m.vocab / vocab_split * e, tp_link), 0.0)

@@ -86,6 +86,8 @@ class SoftwareStack:
     #                                            the TP collectives' outputs (fivefold's runtime/parallelize.py)
     tp_gathers_logits: bool = False  # the LM head's output is all-gathered over tp and the loss runs on the whole
     #                                  vocabulary on every tp rank (fivefold); False: a vocabulary shard each
+    vocab_parallel_over_tp: bool = True  # vocabulary parallelism cuts the rows pp x tp ways (False: pp ways,
+    #                                       each tp rank running its own tokens: runtime/vocab_parallel.py)
     pipeline_returns_outputs: bool = True  # the schedule is asked for the merged logits (fivefold passes
     #                                        return_outputs=False, so torch keeps no logits between micro-batches)
     pipeline_keeps_outputs: bool = False  # pp > 1, torch.distributed.pipelining: the schedule keeps every
@@ -181,6 +183,7 @@ STACKS: dict[str, SoftwareStack] = {
                               optimizer_temporary_bytes=4.0, selective_saves_ops=True,
                               selective_saves_every_matmul=True, loss_fp32_copies=3,
                               pipeline_returns_outputs=False, tp_gathers_logits=True, moe_splits_tokens_over_tp=True,
+                              vocab_parallel_over_tp=False,
                               grouped_gemm_streams=1, expert_gate_separate=True, pipeline_defers_grad_sync=True,
                               zero2_reshards_after_backward=True, eager_host_costs=True, features=Features(
                                   vocab_parallel=True,  # runtime: --vocab-parallel (issue 26)

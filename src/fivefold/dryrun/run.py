@@ -108,6 +108,9 @@ MAX_DRY_RUN_MICRO_BATCHES = 1024
 
 
 def check_dry_run_size(plan: Plan) -> None:
+    if plan.vocab_parallel:  # its vocabulary passes are collectives the fake process group would have to answer
+        raise SpecError("--vocab-parallel", True, "the dry run does not build vocabulary-parallel ranks yet; "
+                        "`fivefold estimate` costs the plan, `fivefold train` runs it")
     most = max(plan.micro_batches_of_replica(replica) for replica in range(plan.dp))
     if most > MAX_DRY_RUN_MICRO_BATCHES:
         raise SpecError("plan.num_micro_batches", most, f"micro-batches on one rank, more than the dry run steps "

@@ -170,6 +170,8 @@ class Transformer(nn.Module):
                 h = h + self.pos_embeddings(positions)
         else:
             h = x
+            if self.pos_embeddings is not None:  # vocabulary parallel: the token embedding came from outside
+                h = h + self.pos_embeddings(positions)
         for layer in self.layers.values():
             h = layer(h, positions, documents)
         if self.norm is not None:

@@ -74,11 +74,12 @@ class StageModels(nn.Module):
     (a pipeline rank with interleaved stages holds several; torch's state-dict helpers take one module).
     It only holds references: the stage models keep running the forward passes."""
 
-    def __init__(self, parts: dict[int, nn.Module]) -> None:
+    def __init__(self, parts: dict[int, nn.Module], vocab_slices: nn.Module | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleDict()
-        for part in parts.values():
-            for key, block in part.layers.items():
+        # --vocab-parallel: tok_embeddings and output are this rank's rows, DTensors of the global shape.
+        for part in (*parts.values(), *([vocab_slices] if vocab_slices is not None else [])):
+            for key, block in getattr(part, "layers", {}).items():
                 self.layers[key] = block
             for name in ("tok_embeddings", "pos_embeddings", "norm", "output"):
                 if getattr(part, name, None) is not None:
@@ -144,14 +145,15 @@ class Checkpointer:
     """Saves and loads one worker's share of a training run (see the module docstring)."""
 
     def __init__(self, config: RunConfig, plan: Plan, mesh: Mesh, parts: dict[int, nn.Module],
-                 optimizer: torch.optim.Optimizer, loader: GlobalBatchLoader, outer: OuterLoop | None = None) -> None:
+                 optimizer: torch.optim.Optimizer, loader: GlobalBatchLoader, outer: OuterLoop | None = None,
+                 vocab_slices: nn.Module | None = None) -> None:
         self.config = config
         self.outer = outer
         self.plan = plan
         self.rank = mesh.rank
         self.optimizer = optimizer
         self.loader = loader
-        self.model = StageModels(parts)
+        self.model = StageModels(parts, vocab_slices)
         self.root = Path(config.checkpoint_dir) if config.checkpoint_dir else None
         self.saving = self.root is not None
         # The group DCP talks over (in the background thread when saving asynchronously).

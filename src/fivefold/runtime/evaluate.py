@@ -67,6 +67,11 @@ def forward_loss(model: Any, inputs: torch.Tensor, targets: torch.Tensor,
     """This rank's share of the loss of its rows, forward only (zero on pipeline ranks without the last stage)."""
     plan = model.plan
     with model.autocast:
+        if model.vocab is not None:  # --vocab-parallel: the vocabulary passes compute the loss, no gradients
+            embedded = model.vocab.begin(inputs, targets, plan.micro_batch, training=False)
+            run_schedule(model.schedule, plan, list(model.parts), embedded, targets, extra, forward_only=True)
+            local = model.vocab.finish(model.micro_batches)
+            return local if local is not None else torch.zeros((), device=model.device)
         if model.schedule is not None:
             local = run_schedule(model.schedule, plan, list(model.parts), inputs, targets, extra, forward_only=True)
             return local if local is not None else torch.zeros((), device=model.device)

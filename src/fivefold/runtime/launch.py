@@ -63,6 +63,9 @@ def check_runnable(plan: Plan, nproc: int, device: str = "cpu", gpus: int = 0, l
     if plan.model.is_moe:
         from fivefold.runtime.expert_parallel import check_moe_runnable
         check_moe_runnable(plan)
+    if plan.vocab_parallel:
+        from fivefold.runtime.vocab_parallel import check_vocab_parallel_runnable
+        check_vocab_parallel_runnable(plan)
     m, t = plan.model, plan.train
     if plan.tp > 1:
         require(m.vocab % plan.tp == 0, "plan.tp", plan.tp,

@@ -72,7 +72,9 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
         top["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
                                                 output_layouts=Shard(seq_dim) if sequence_parallel else Replicate())
     if model.norm is not None and sequence_parallel:
-        top["norm"] = SequenceParallel()
+        # Without the head on this stage (vocabulary parallel) the normed states leave the stage as this
+        # rank's plain sequence slice, which the vocabulary passes work on.
+        top["norm"] = SequenceParallel(use_local_output=model.output is None)
     if model.output is not None:
         # Logits come back whole on every tp rank, so the loss is the plain cross-entropy.
         top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())

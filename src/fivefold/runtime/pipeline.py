@@ -13,7 +13,8 @@ Schedules (torch class):
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -22,6 +23,8 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from fivefold.models import Transformer, build_model
+from fivefold.runtime.vocab_parallel import VocabParallel
+from fivefold.runtime.vocab_schedule import BACKWARD_ACTIONS, vocab_schedule
 from fivefold.spec import Plan
 
 SCHEDULE_CLASSES = {
@@ -56,6 +59,9 @@ def build_stage_model(plan: Plan, stage: int) -> Transformer:
     if stage != plan.num_stages - 1:
         model.norm = None
         model.output = None
+    if plan.vocab_parallel:  # the token embedding and the head are split over the pp ranks (vocab_parallel.py)
+        model.tok_embeddings = None
+        model.output = None
     # A later stage receives hidden states that sequence parallel may have split along the sequence,
     # so the model cannot count positions from its input; give it the whole sequence's positions.
     model.register_forward_pre_hook(_positions_of_whole_sequence(plan.train.seq_len), with_kwargs=True)
@@ -72,15 +78,36 @@ def _positions_of_whole_sequence(seq_len: int):
 
 def build_schedule(plan: Plan, stage_models: dict[int, nn.Module], pp_group: torch.distributed.ProcessGroup,
                    device: torch.device, micro_batches: int,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> _PipelineSchedule:
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   vocab: VocabParallel | None = None) -> _PipelineSchedule:
     """A schedule over this rank's stages. `loss_fn` is already normalised by the global token count,
-    so gradients are summed over micro-batches (scale_grads=False), never averaged."""
+    so gradients are summed over micro-batches (scale_grads=False), never averaged. With `vocab`
+    (--vocab-parallel) the loss is its vocabulary passes, placed in torch's action lists."""
     stages = [PipelineStage(module, stage_index=index, num_stages=plan.num_stages, device=device, group=pp_group)
               for index, module in sorted(stage_models.items())]
     schedule_class = SCHEDULE_CLASSES[plan.schedule]
+    if vocab is not None:
+        return vocab_schedule(schedule_class, stages, micro_batches, vocab)
     if plan.schedule in SINGLE_STAGE_SCHEDULES:
         return schedule_class(stages[0], n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=False)
     return schedule_class(stages, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=False)
+
+
+@contextlib.contextmanager
+def forward_actions_only(schedule: _PipelineSchedule) -> Iterator[None]:
+    """An action-list schedule without its backward actions while it runs forward-only: torch 2.13 keeps them in
+    the lists under eval(), and zbv's adjacent stages on one rank then fail ("can't steal_bwd_input if this stage
+    doesn't have backward")."""
+    lists = getattr(schedule, "pipeline_order_with_comms", None)
+    if lists is None:  # GPipe and 1F1B run their own loops
+        yield
+        return
+    schedule.pipeline_order_with_comms = {rank: [a for a in actions if a.computation_type not in BACKWARD_ACTIONS]
+                                          for rank, actions in lists.items()}
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = lists
 
 
 def run_schedule(schedule: _PipelineSchedule, plan: Plan, own_stages: list[int], inputs: torch.Tensor,
@@ -95,8 +122,9 @@ def run_schedule(schedule: _PipelineSchedule, plan: Plan, own_stages: list[int],
     losses: list[torch.Tensor] = []
     args = (inputs,) if holds_first else ()
     if forward_only:
-        schedule.eval(*args, target=targets if holds_last else None, losses=losses if holds_last else None,
-                      **(extra or {}))
+        with forward_actions_only(schedule):
+            schedule.eval(*args, target=targets if holds_last else None, losses=losses if holds_last else None,
+                          **(extra or {}))
     else:
         schedule.step(*args, target=targets if holds_last else None, losses=losses if holds_last else None,
                       return_outputs=False, **(extra or {}))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from fivefold.data import write_data_caches
+from fivefold.errors import require
 from fivefold.runtime.config import RunConfig
 from fivefold.runtime.launch import check_data, check_runnable, prepare_run_dir, resolve_device, torchrun_world
 from fivefold.spec import Plan
@@ -55,6 +56,8 @@ def prepare_run(plan: Plan, config: RunConfig, *, nproc: int | None, plan_file: 
             say(line)
     check_runnable(plan, world, device, gpus, local_nproc)
     config.diloco(plan)  # --dp-sync diloco against this plan: the outer groups must split its dp
+    if plan.vocab_parallel:
+        require(config.dp_sync == "sync", "--vocab-parallel", True, "runs with --dp-sync sync only")
     data = check_data(plan, config.data, config.tokenizer, config.text_field)
     eval_data = check_data(plan, config.eval_data, config.tokenizer, config.text_field, "--eval-data") \
         if config.eval_data else None

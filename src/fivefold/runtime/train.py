@@ -49,6 +49,7 @@ from fivefold.runtime.parallelize import (apply_activation_checkpointing, apply_
                                           uses_ddp, wrap_ddp)
 from fivefold.runtime.pipeline import build_schedule, build_stage_model, run_schedule
 from fivefold.runtime.trace import BACKWARD, FORWARD, OPTIMIZER, StepTracer
+from fivefold.runtime.vocab_parallel import VocabParallel, build_vocab_parallel
 from fivefold.spec import Plan
 
 
@@ -147,6 +148,7 @@ class StepModel:
     tracer: StepTracer
     autocast: Any  # bf16 autocast without FSDP's mixed precision, else a null context
     ddp: nn.Module | None = None  # parts[0] under DistributedDataParallel (parallelize.uses_ddp), else None
+    vocab: VocabParallel | None = None  # --vocab-parallel: this rank's embedding and head rows, and the loss
 
 
 def forward_backward(model: StepModel, inputs: torch.Tensor, targets: torch.Tensor,
@@ -157,6 +159,12 @@ def forward_backward(model: StepModel, inputs: torch.Tensor, targets: torch.Tens
     This rank's share of the loss (zero on pipeline ranks without the last stage)."""
     plan = model.plan
     with model.autocast:
+        if model.vocab is not None:
+            embedded = model.vocab.begin(inputs, targets, plan.micro_batch)
+            run_schedule(model.schedule, plan, list(model.parts), embedded, targets, extra)
+            local_loss = model.vocab.finish(model.micro_batches)
+            finish_gradient_sync(model.parts)
+            return local_loss if local_loss is not None else torch.zeros((), device=model.device)
         if model.schedule is not None:
             local_loss = run_schedule(model.schedule, plan, list(model.parts), inputs, targets, extra)
             finish_gradient_sync(model.parts)
@@ -199,16 +207,19 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
     parts = build_model_parts(plan, mesh, config.seed, param_dtype, knobs, config.compile,
                               cpu_overlap=device.type == "cpu")
     params = [p for part in parts.values() for p in part.parameters()]
-    optimizer = build_optimizer(params, config.lr, config.weight_decay, parse_betas(config.betas), config.eps)
-    loader = make_loader(config, plan)
     dp_rank = mesh.coords["dp"]
     group_index = dp_rank // (plan.dp // groups)  # this rank's outer group (DiLoCo); 0 otherwise
-    loss_fn = knobs.loss(TokenCrossEntropy(group_rows(plan, group_index, groups) * plan.train.seq_len), loader,
-                         plan.train.global_batch)
+    global_tokens = group_rows(plan, group_index, groups) * plan.train.seq_len
+    vocab = build_vocab_parallel(plan, mesh, config.seed, global_tokens) if plan.vocab_parallel else None
+    if vocab is not None:
+        params += list(vocab.slices.parameters())
+    optimizer = build_optimizer(params, config.lr, config.weight_decay, parse_betas(config.betas), config.eps)
+    loader = make_loader(config, plan)
+    loss_fn = knobs.loss(TokenCrossEntropy(global_tokens), loader, plan.train.global_batch)
     micro_batches = plan.micro_batches_of_replica(dp_rank)
     schedule = None
     if plan.pp > 1:
-        schedule = build_schedule(plan, parts, mesh.group("pp"), device, micro_batches, loss_fn)
+        schedule = build_schedule(plan, parts, mesh.group("pp"), device, micro_batches, loss_fn, vocab)
         if plan.model.is_moe:
             forget_metadata_inference(schedule, parts)
     tracer = StepTracer.for_run(config, plan, mesh.rank, device, schedule)
@@ -216,7 +227,7 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
                 else contextlib.nullcontext())
     step_model = StepModel(plan, device, parts, loss_fn, micro_batches, schedule, tracer, autocast,
                            wrap_ddp(parts[0], data_parallel_mesh(mesh.world, plan)) if uses_ddp(plan, device)
-                           else None)
+                           else None, vocab)
     rows = replica_rows(plan, dp_rank)
     end_of_document = end_of_document_of(config, loader) if plan.train.document_mask else None
     evaluator = Evaluator.for_run(config, plan)  # None without --eval-data
@@ -224,7 +235,8 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
     outer = OuterLoop(diloco, list(StageModels(parts).named_parameters()), mesh.group("outer") if groups > 1
                       else None, group_index) if diloco else None
     inner_bytes = inner_sync_bytes(plan, params, groups, micro_batches)
-    first_step = elastic.start(parts, Checkpointer(config, plan, mesh, parts, optimizer, loader, outer))  # > 0: resumed
+    first_step = elastic.start(parts, Checkpointer(config, plan, mesh, parts, optimizer, loader, outer,
+                                                            vocab.slices if vocab else None))  # > 0: resumed
     meter = StepMeter(plan, device, mesh.rank, "fp32" if param_dtype is None else "bf16", first_step)
     metrics = MetricsFile.for_run(config, is_rank0)  # metrics file, TensorBoard, progress for an interrupt
     progress = Progress(config.steps, f"training {plan.model.name}: {plan.describe()} on {plan.world_size} "
