@@ -41,6 +41,12 @@ class AttentionGroup:
     max_query: int
 
 
+# Chosen on bench/serve.py's request set (32 requests, tp1, CPU seconds of 3 interleaved rounds each): one decode
+# call 3.0-3.4 s, split at 0.5: 2.7-3.1 s, at 0.7: 2.4-2.8 s, at 0.85: 2.4-2.8 s (docs/serving.md).
+DECODE_SPLIT_RATIO = 0.7
+DECODE_GROUP_MIN = 4
+
+
 @dataclass
 class BatchIndex:
     """Index tensors of one step, shared by every layer of a stage."""
@@ -72,6 +78,22 @@ def _group(step: StepBatch, members: list[int], starts: list[int], block_size: i
                           mask[:, None].to(device), batch, max_query)
 
 
+def decode_groups(decodes: list[int], context_lens: list[int], ratio: float = DECODE_SPLIT_RATIO,
+                  smallest: int = DECODE_GROUP_MIN) -> list[list[int]]:
+    """The decodes split into attention calls by context length, longest first: a group ends where the next
+    request's context is at most `ratio` of the group's longest (its padding would be over 1 / ratio of its own
+    keys), if the group and the rest both keep `smallest` requests (one more call costs about as much as reading
+    that many short contexts). Each group's reads and scores are padded to its own longest context only."""
+    order = sorted(decodes, key=lambda i: -context_lens[i])
+    groups: list[list[int]] = []
+    for place, i in enumerate(order):
+        if (not groups or context_lens[i] <= ratio * context_lens[groups[-1][0]] and len(groups[-1]) >= smallest
+                and len(order) - place >= smallest):
+            groups.append([])
+        groups[-1].append(i)
+    return groups
+
+
 def build_index(step: StepBatch, block_size: int, device: torch.device) -> BatchIndex:
     """The paged-attention indices: slot = block_table[position // block_size] * block_size + position % block_size."""
     starts, total = [], 0
@@ -85,6 +107,6 @@ def build_index(step: StepBatch, block_size: int, device: torch.device) -> Batch
     decodes = [i for i, n in enumerate(step.query_lens) if n == 1]
     prefills = [[i] for i, n in enumerate(step.query_lens) if n > 1]
     groups = [_group(step, members, starts, block_size, device)
-              for members in ([decodes] if decodes else []) + prefills]
+              for members in decode_groups(decodes, step.context_lens) + prefills]
     return BatchIndex(positions.to(device), torch.tensor(slot_list, dtype=torch.long, device=device), groups,
                       torch.tensor(step.sample_rows, dtype=torch.long, device=device))
