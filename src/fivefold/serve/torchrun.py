@@ -5,7 +5,7 @@ HTTP server) and is also replica 0's rank 0 (stage 0, tp rank 0); the other rank
 Rank r belongs to replica r // (tp x pp), as stage and tp rank of r % (tp x pp) (stage-major, as WorkerPool
 numbers a replica's ranks): torchrun numbers ranks node by node, so a node's ranks are neighbouring tp ranks
 first. Each step the engine sends the pickled StepBatch to the other ranks of its replica over gloo (a length,
-then the bytes; on NCCL a gloo group of the same ranks carries them), and the last stage's tp rank 0 sends the
+then the bytes, over a gloo group: CPU tensors beside NCCL too), and the last stage's tp rank 0 sends the
 sampled rows' logits back (received on a thread of rank 0's: their count is known when the step is submitted).
 A rank that dies breaks its connections: the engine's next send or receive fails, which ends the run with one
 line naming the rank (WorkerDied), as a dead worker process does on one machine."""
@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import re
 import threading
 from datetime import timedelta
 
@@ -24,7 +25,8 @@ from fivefold.errors import require
 from fivefold.local import threads_per_worker
 from fivefold.serve.batch import StepBatch
 from fivefold.serve.source import ModelSource
-from fivefold.serve.workers import RankModel, WorkerDied, WorkerPlace, join_stage_groups, one_line
+from fivefold.serve.workers import (START_TIMEOUT_S, RankModel, WorkerDied, WorkerPlace, join_stage_groups,
+                                   one_line)
 from fivefold.spec.serve import ServeLayout
 
 LENGTH_TAG, BATCH_TAG, LOGITS_TAG = 1, 2, 3  # point-to-point tags (workers.HIDDEN_TAG = 0 between stages)
@@ -61,12 +63,14 @@ class TorchrunWorld:
         self.place = place_of(layout, rank, device)
         if device == "cuda":
             torch.cuda.set_device(self.place.device_index)
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=IDLE_TIMEOUT)
+        # The world (joining, hops between stages, tp all-reduces) waits at most START_TIMEOUT_S, so a rank whose
+        # rank 0 never joins (refused its input, say) ends; batches and logits travel as CPU tensors over a gloo
+        # group of their own that waits as long as the server idles.
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(seconds=START_TIMEOUT_S))
         per_replica = layout.tp * layout.pp
         tp_group = join_stage_groups(layout, [r * per_replica for r in range(layout.replicas)],
                                      self.place.replica, self.place.stage)
-        # batches and logits travel as CPU tensors: over the default group on gloo, a gloo group beside NCCL
-        self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if device == "cuda" else None
+        self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         if device == "cpu":
             torch.set_num_threads(threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", layout.devices))))
         self.model = RankModel(source, layout, self.place, memory_window, self.place.replica * per_replica,
@@ -118,6 +122,8 @@ class TorchrunExecutor:
 
     def _failed(self, rank: int, message: str) -> WorkerDied:
         self.close(notify=False)
+        # gloo's "[.../pair.cc:553] Connection closed by peer [addr]. This is typically caused by ...": the middle
+        message = re.sub(r"\[[^\]]*\.cc:\d+\] ", "", message).split(". This is typically")[0]
         return WorkerDied(f"worker {describe(self.world.layout, rank)} failed: {message}"[:300])
 
     def _receive(self, replica: int, expected: queue.Queue) -> None:
