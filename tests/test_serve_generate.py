@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from fivefold.cli import main
 from fivefold.serve import batch as batch_module
@@ -213,3 +214,16 @@ def test_a_fivefold_checkpoint_generates_what_its_hf_folder_does(llama, tmp_path
         hf_greedy(model, ids, 6) for ids in prompts(3, seed=4)]
     assert all("text" not in o for o in outputs)  # a checkpoint carries no tokenizer
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_generates_the_tokens_of_the_cpu(llama, tmp_path):
+    _, folder = llama
+    write_prompts(tmp_path / "in.jsonl", prompts(5, seed=6, shortest=3, longest=40))
+    for device in ("cpu", "cuda"):
+        assert main(["generate", "--from-hf", str(folder), "--input", str(tmp_path / "in.jsonl"), "--output",
+                     str(tmp_path / f"{device}.jsonl"), "--max-tokens", "10", "--device", device, "--dtype",
+                     "fp32"]) == 0
+    cpu, cuda = read_outputs(tmp_path / "cpu.jsonl"), read_outputs(tmp_path / "cuda.jsonl")
+    assert [o["completion_ids"] for o in cuda] == [o["completion_ids"] for o in cpu]
