@@ -112,6 +112,7 @@ class StageRunner:
         kv_start, kv_end = kv_head_range(spec, tp, tp_rank)
         self.cache = PagedKVCache(self.layers, kv_blocks, block_size, kv_end - kv_start, spec.head_dim,
                                   kv_dtype or dtype, self.device)
+        self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # this step's cos/sin (_rope_of_step)
 
     def _bring(self, layer: int) -> None:
         """This layer's weights from the reader thread (sliced for this rank) into its modules."""
@@ -146,8 +147,7 @@ class StageRunner:
         if attention.q_norm is not None:
             q, k = attention.q_norm(q), attention.k_norm(k)
         if attention.use_rope:
-            cos, sin = rope_cos_sin(index.positions, d, attention.rope_theta, q.dtype)
-            cos, sin = cos[:, None, :], sin[:, None, :]
+            cos, sin = self._rope_of_step(index, d, attention.rope_theta, q.dtype)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
         self.cache.write(layer_id, index.slots, k, v)
@@ -157,16 +157,29 @@ class StageRunner:
             if group.max_query == 1:  # the decodes: one query per request, in row order
                 out[group.rows] = _attend(q[group.rows][:, None], keys, values, group.mask)[:, 0]
                 continue
+            if group.batch == 1:  # a prefill chunk alone (batch.py): its queries are its rows, no padding
+                out[group.rows] = _attend(q[group.rows][None], keys, values, group.mask)[0]
+                continue
             queries = q.new_zeros(group.batch, group.max_query, q.shape[1], d)
             queries[group.token_request, group.token_offset] = q[group.rows]
             out[group.rows] = _attend(queries, keys, values, group.mask)[group.token_request, group.token_offset]
         return self._reduce(attention.wo(out.reshape(tokens, -1)))
+
+    def _rope_of_step(self, index: BatchIndex, head_dim: int, theta: float,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, head_dim] of the step's positions, made once per step for every layer."""
+        key = (head_dim, theta, dtype)
+        if key not in self._rope:
+            cos, sin = rope_cos_sin(index.positions, head_dim, theta, dtype)
+            self._rope[key] = (cos[:, None, :], sin[:, None, :])
+        return self._rope[key]
 
     @torch.inference_mode()
     def forward(self, step: StepBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """[T, hidden] states for the next stage, or (last stage) fp32 logits [S, vocab] of the sampled rows."""
         index = build_index(step, self.block_size, self.device)
         contexts = [self.cache.context_index(group.tables) for group in index.groups]
+        self._rope = {}
         model = self.model
         if self.first:
             h = model.tok_embeddings(torch.tensor(step.token_ids, dtype=torch.long, device=self.device))
