@@ -7,6 +7,8 @@ tokens ignored), so the useful output is the same in every run. transformers pad
 --batch prompts on the left and generates until the batch's longest request is done; its tokens/s counts the
 requested tokens only (what a client receives), so the padding and the tokens past a request's own max_tokens are
 the static batch's waste. All requests arrive at once (an offline batch): TTFT includes the wait for a slot.
+Beside wall seconds each single-process run reports its CPU seconds (time.process_time, one torch thread), which
+the neighbours' load on a shared machine disturbs far less; worker layouts (tp2, pp2) have wall seconds only.
 
     .venv/bin/python bench/serve.py [--requests 32] [--batch 8,32] [--layouts tp1,tp2,pp2] [--json out.json]
 """
