@@ -5,8 +5,8 @@ length share one preallocated pool and nothing is copied when they grow.
 
 Heads before blocks, and K beside V, so that reading a batch's context is one index_select of whole blocks
 (block_size x head_dim contiguous values each) that lands as K and V [batch, kv_heads, context, head_dim], the
-layout attention reads without another copy (a per-token gather in [rows, heads, dim] order, then a transpose,
-cost 2-4x more: measured in the 27 speed work, docs/serving.md)."""
+layout attention reads without another copy (a per-token gather in [rows, heads, dim] order took 1.3-2.7x as
+long on a decode step of 32 requests: docs/serving.md, Speed)."""
 
 from __future__ import annotations
 
