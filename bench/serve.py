@@ -7,6 +7,8 @@ tokens ignored), so the useful output is the same in every run. transformers pad
 --batch prompts on the left and generates until the batch's longest request is done; its tokens/s counts the
 requested tokens only (what a client receives), so the padding and the tokens past a request's own max_tokens are
 the static batch's waste. All requests arrive at once (an offline batch): TTFT includes the wait for a slot.
+Beside wall seconds each single-process run reports its CPU seconds (time.process_time, one torch thread), which
+the neighbours' load on a shared machine disturbs far less; worker layouts (tp2, pp2) have wall seconds only.
 
     .venv/bin/python bench/serve.py [--requests 32] [--batch 8,32] [--layouts tp1,tp2,pp2] [--json out.json]
 """
@@ -50,7 +52,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_transformers(model, requests, batch: int) -> dict:
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         for first in range(0, len(requests), batch):
             group = requests[first:first + batch]
@@ -62,9 +64,10 @@ def run_transformers(model, requests, batch: int) -> dict:
                 mask[row, longest - len(prompt):] = 1
             model.generate(ids, attention_mask=mask, max_new_tokens=max(n for _, n in group), do_sample=False,
                            pad_token_id=0)
-    seconds = time.perf_counter() - started
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     tokens = sum(n for _, n in requests)
-    return {"run": f"transformers static batches of {batch}", "seconds": seconds, "tokens_per_s": tokens / seconds}
+    return {"run": f"transformers static batches of {batch}", "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "cpu_seconds": cpu_seconds}
 
 
 def run_fivefold(folder: Path, requests, layout_name: str, limits) -> dict:
@@ -80,13 +83,13 @@ def run_fivefold(folder: Path, requests, layout_name: str, limits) -> dict:
     try:
         engine = Engine(executor, layout, (), source.spec.max_seq_len)
         batch = [Request(str(i), ids, n) for i, (ids, n) in enumerate(requests)]
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         for request in batch:
             request.arrival = started
             engine.add(request)
         while engine.busy:
             engine.step()
-        seconds = time.perf_counter() - started
+        seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     finally:
         executor.close()
     ttft = [r.timings["ttft_s"] for r in batch]
@@ -94,6 +97,8 @@ def run_fivefold(folder: Path, requests, layout_name: str, limits) -> dict:
     tokens = sum(len(r.output_ids) for r in batch)
     assert tokens == sum(n for _, n in requests)
     return {"run": f"fivefold {layout_name}", "seconds": seconds, "tokens_per_s": tokens / seconds,
+            # this process's CPU time: the whole run's only when no worker process computes (tp1)
+            "cpu_seconds": cpu_seconds if layout.devices == 1 else None,
             "ttft_p50_s": percentile(ttft, 0.5), "ttft_p90_s": percentile(ttft, 0.9),
             "tpot_p50_s": percentile(tpot, 0.5), "tpot_p90_s": percentile(tpot, 0.9),
             "preemptions": engine.preemptions}
@@ -134,12 +139,16 @@ def main() -> None:
     hf_rows = len(args.batch.split(","))
     base = max(row["tokens_per_s"] for row in rows[:hf_rows])  # transformers' best static batch
     tp1 = rows[hf_rows]["tokens_per_s"]
-    print(f"{'run':34} {'s':>7} {'tok/s':>8} {'vs best hf':>10} {'vs tp1':>6} {'TTFT p50/p90 s':>16} {'TPOT p50/p90 ms':>16}")
+    cpu_base = min(row["cpu_seconds"] for row in rows[:hf_rows])
+    print(f"{'run':34} {'s':>7} {'tok/s':>8} {'vs best hf':>10} {'vs tp1':>6} {'CPU s':>6} {'vs hf CPU':>9} "
+          f"{'TTFT p50/p90 s':>16} {'TPOT p50/p90 ms':>16}")
     for row in rows:
+        cpu = (f"{row['cpu_seconds']:6.2f} {cpu_base / row['cpu_seconds']:9.2f}" if row["cpu_seconds"] is not None
+               else f"{'-':>6} {'-':>9}")
         latency = (f"{row['ttft_p50_s']:7.2f}/{row['ttft_p90_s']:<7.2f} "
                    f"{1e3 * row['tpot_p50_s']:7.1f}/{1e3 * row['tpot_p90_s']:<7.1f}" if "ttft_p50_s" in row else "")
         print(f"{row['run']:34} {row['seconds']:7.2f} {row['tokens_per_s']:8.1f} {row['tokens_per_s'] / base:10.2f} "
-              f"{row['tokens_per_s'] / tp1:6.2f}  {latency}")
+              f"{row['tokens_per_s'] / tp1:6.2f} {cpu}  {latency}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
 

@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from fivefold.cli import main
+from fivefold.serve import batch as batch_module
+from fivefold.serve.batch import decode_groups
 from fivefold.serve.engine import Engine, Request
 from fivefold.serve.executor import LocalExecutor
 from fivefold.serve.sampling import SamplingParams
@@ -93,6 +96,36 @@ def test_seeded_sampling_is_the_same_alone_batched_and_preempted(llama):
     other_seed = run_engine(folder, prompt_ids, roomy,
                             sampling=lambda i: SamplingParams(temperature=1.0, top_p=0.9, seed=8, key=i))[0]
     assert other_seed != together
+
+
+def test_decode_groups_split_where_the_context_falls_to_the_ratio():
+    contexts = [100, 30, 95, 8, 71, 70, 40, 69, 12, 9, 10, 11]
+    # longest first: 100 95 71 | 70 69 | 40 30 | 12 11 10 9 8; 70 <= 0.7 x 100 starts a group, 40 <= 0.7 x 70 and
+    # 12 <= 0.7 x 40 too; 8 <= 0.7 x 12 would, but only 1 request (< smallest) would be left for it
+    assert decode_groups(list(range(12)), contexts, ratio=0.7, smallest=2) == [[0, 2, 4], [5, 7], [6, 1],
+                                                                               [8, 11, 10, 9, 3]]
+    # with 4 at least: 70 joins the first group (it has 3), 11 starts the third (12 was the second's 4th)
+    assert decode_groups(list(range(12)), contexts, ratio=0.7, smallest=4) == [[0, 2, 4, 5], [7, 6, 1, 8],
+                                                                               [11, 10, 9, 3]]
+    assert decode_groups([3, 5], contexts, ratio=0.0) == [[5, 3]]  # ratio 0: one call for all decodes
+    assert decode_groups([], contexts) == []
+
+
+def test_decodes_split_over_several_attention_calls_keep_each_requests_tokens(llama, monkeypatch):
+    _, folder = llama
+    prompt_ids = prompts(12, seed=4, shortest=2, longest=100)
+    roomy = BatchLimits(max_batch=64, max_tokens_per_step=4096, kv_blocks=256, block_size=4)
+    alone = [run_engine(folder, [ids], roomy)[0][0] for ids in prompt_ids]
+    splits = []
+
+    def recording(decodes, context_lens):
+        groups = decode_groups(decodes, context_lens)
+        splits.append(len(groups))
+        return groups
+
+    monkeypatch.setattr(batch_module, "decode_groups", recording)
+    together, _ = run_engine(folder, prompt_ids, roomy)
+    assert max(splits) >= 2 and together == alone
 
 
 @pytest.mark.parametrize("flags, line, expected", [
@@ -181,3 +214,16 @@ def test_a_fivefold_checkpoint_generates_what_its_hf_folder_does(llama, tmp_path
         hf_greedy(model, ids, 6) for ids in prompts(3, seed=4)]
     assert all("text" not in o for o in outputs)  # a checkpoint carries no tokenizer
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_generates_the_tokens_of_the_cpu(llama, tmp_path):
+    _, folder = llama
+    write_prompts(tmp_path / "in.jsonl", prompts(5, seed=6, shortest=3, longest=40))
+    for device in ("cpu", "cuda"):
+        assert main(["generate", "--from-hf", str(folder), "--input", str(tmp_path / "in.jsonl"), "--output",
+                     str(tmp_path / f"{device}.jsonl"), "--max-tokens", "10", "--device", device, "--dtype",
+                     "fp32"]) == 0
+    cpu, cuda = read_outputs(tmp_path / "cpu.jsonl"), read_outputs(tmp_path / "cuda.jsonl")
+    assert [o["completion_ids"] for o in cuda] == [o["completion_ids"] for o in cpu]

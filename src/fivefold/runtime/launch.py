@@ -319,22 +319,25 @@ def launch(configs: list[RunConfig], nproc: int, max_restarts: int = 0) -> list[
     return summaries
 
 
-def torchrun_command(plan_file: str, run_flags: list[str], nnodes: int, nproc_per_node: int) -> str:
+def torchrun_command(plan_file: str | None, run_flags: list[str], nnodes: int, nproc_per_node: int,
+                     verb: str = "train") -> str:
     """The multi-node equivalent: run this on every node (HOST = the first node's address). Each process
-    torchrun starts runs `fivefold train` itself as one worker, so it parses and checks the same flags."""
+    torchrun starts runs `fivefold VERB` itself as one worker, so it parses and checks the same flags
+    (`generate` and `serve` have no plan file: their flags are the layout)."""
+    plan = ["--plan", plan_file] if plan_file else []
     args = ["torchrun", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:29500", "-m", "fivefold", "train",
-            "--torchrun-worker", "--plan", plan_file, *run_flags]
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:29500", "-m", "fivefold", verb,
+            "--torchrun-worker", *plan, *run_flags]
     return " ".join(shlex.quote(a) if a != "HOST:29500" else a for a in args)
 
 
-def torchrun_world() -> tuple[int, int, int]:
+def torchrun_world(verb: str = "train") -> tuple[int, int, int]:
     """(world size, processes on this node, global rank) as torchrun sets them for a worker."""
     try:
         return (int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
                 int(os.environ["RANK"]))
     except KeyError:
-        raise SpecError("--torchrun-worker", True, "is set by the printed torchrun line; run `fivefold train` "
+        raise SpecError("--torchrun-worker", True, f"is set by the printed torchrun line; run `fivefold {verb}` "
                         "without it on one machine") from None
 
 

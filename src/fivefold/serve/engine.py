@@ -142,6 +142,7 @@ class Engine:
     def _finish_step(self, replica: int, step: Step, logits) -> None:
         now = self.clock()
         stopped: set[str] = set()
+        greedy = logits.argmax(-1).tolist()  # every row's greedy token in one call (sample() for the others)
         row = 0
         for request_id, sampled in zip(step.request_ids, step.samples):
             if not sampled:
@@ -151,7 +152,8 @@ class Engine:
             if request is None or request.finish_reason == "abort":
                 continue
             position = len(request.prompt_ids) + len(request.output_ids)
-            token = sample(logits[row - 1], request.params, position)
+            token = (greedy[row - 1] if request.params.temperature <= 0.0
+                     else sample(logits[row - 1], request.params, position))
             request.output_ids.append(token)
             self.generated_tokens += 1
             if request.first_token_at is None:

@@ -29,8 +29,14 @@ class LocalExecutor:
         self.runner.close()
 
 
-def make_executor(source: ModelSource, layout: ServeLayout, device: str = "cpu", memory_window: int = 0):
-    """In this process when one rank holds the whole model, else worker processes."""
+def make_executor(source: ModelSource, layout: ServeLayout, device: str = "cpu", memory_window: int = 0,
+                  torchrun: bool = False):
+    """In this process when one rank holds the whole model, else worker processes; under torchrun, the world's
+    ranks (torchrun.py: None on every rank but 0, after rank 0 has stopped them)."""
+    if torchrun:
+        from fivefold.serve.torchrun import torchrun_executor
+
+        return torchrun_executor(source, layout, device, memory_window)
     if layout.devices == 1:
         return LocalExecutor(source, layout, device, memory_window)
     from fivefold.serve.workers import WorkerPool

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -57,8 +58,9 @@ def check_generate_args(args: argparse.Namespace) -> None:
     check_sampling(args.temperature, args.top_p)
 
 
-def run_generate(args: argparse.Namespace) -> dict:
-    """Check everything, then generate; returns a summary (requests, tokens, seconds, tokens/s)."""
+def run_generate(args: argparse.Namespace) -> dict | None:
+    """Check everything, then generate; returns a summary (requests, tokens, seconds, tokens/s), or None on a
+    torchrun rank other than 0 (it computed its share; rank 0 writes the output)."""
     from fivefold.batching import Scheduler
     from fivefold.outputs import check_output_file, make_parents
     from fivefold.serve.options import layout_from_serve_args
@@ -67,6 +69,11 @@ def run_generate(args: argparse.Namespace) -> dict:
     check_generate_args(args)
     source = open_source(args.from_hf, args.checkpoint)
     layout = layout_from_serve_args(args, source.spec)
+    from fivefold.serve.executor import make_executor
+
+    if args.torchrun_worker and os.environ.get("RANK", "0") != "0":  # a worker rank: its share of the model only
+        make_executor(source, layout, args.device, args.memory_window, torchrun=True)
+        return None
     codec = open_codec(source)
     prompts = read_prompts(args.input, codec, source.spec.vocab)
     check_output_file(args.output, "--output", "out.jsonl")
@@ -77,11 +84,11 @@ def run_generate(args: argparse.Namespace) -> dict:
         except SpecError as exc:
             raise SpecError(f"{args.input}:{number}:{exc.field}", exc.value, exc.fix) from None
 
-    from fivefold.serve.executor import make_executor
     from fivefold.runtime.metrics import Progress
 
+    print_torchrun_line("generate", args, layout)
     started = time.perf_counter()
-    executor = make_executor(source, layout, args.device, args.memory_window)
+    executor = make_executor(source, layout, args.device, args.memory_window, args.torchrun_worker)
     try:
         engine = Engine(executor, layout, eos_ids=() if args.ignore_eos else source.eos_ids,
                         max_context=source.spec.max_seq_len)
@@ -118,6 +125,16 @@ def run_generate(args: argparse.Namespace) -> dict:
     return {"requests": len(requests), "completion_tokens": tokens, "seconds": elapsed,
             "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0, "preemptions": engine.preemptions,
             "load_seconds": loaded - started, "output": str(out)}
+
+
+def print_torchrun_line(verb: str, args: argparse.Namespace, layout) -> None:
+    """As `fivefold train`: the line that runs this layout over --nnodes machines (torchrun on each)."""
+    if layout.devices > 1 and not args.torchrun_worker:
+        from fivefold.runtime.launch import torchrun_command
+
+        command = torchrun_command(None, getattr(args, "worker_flags", []), args.nnodes,
+                                   layout.devices // args.nnodes, verb)
+        print(f"on several machines, run on each: {command}", file=sys.stderr, flush=True)
 
 
 def _progress(progress, done: int, engine: Engine, since: float) -> None:

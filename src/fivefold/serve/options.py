@@ -4,6 +4,7 @@ and device, and the model flags. Every check runs before a worker starts."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from fivefold.errors import SpecError, require
 from fivefold.spec import ModelSpec
@@ -24,6 +25,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="keep only K layers' weights resident per worker, reading the next ones from the "
                              "safetensors files in the background while the current ones compute (--from-hf; "
                              "default: 0, every weight resident)")
+    parser.add_argument("--nnodes", type=int, default=1, metavar="N",
+                        help="machines for the torchrun line printed for layouts of several processes (default: 1)")
+    parser.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)  # set by the torchrun line
 
 
 def layout_from_serve_args(args: argparse.Namespace, model: ModelSpec) -> ServeLayout:
@@ -53,16 +57,21 @@ def layout_from_serve_args(args: argparse.Namespace, model: ModelSpec) -> ServeL
             "turns a checkpoint into one)")
     require(model.sliding_window == 0, "model.sliding_window", model.sliding_window,
             "sliding-window attention is not built by fivefold's models")
+    nnodes = getattr(args, "nnodes", 1)
+    require(nnodes >= 1 and layout.devices % nnodes == 0, "--nnodes", nnodes,
+            f"must divide the layout's {layout.devices} processes (tp x pp x replicas) into equal nodes")
+    # Under torchrun this machine runs its own share of the ranks (LOCAL_WORLD_SIZE); else all of them.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", layout.devices)) if args.torchrun_worker else layout.devices
     if args.device == "cpu":
         from fivefold.runtime.launch import check_local_workers
 
-        check_local_workers(layout.devices, "--tp x --pp x --replicas")
+        check_local_workers(local, "--tp x --pp x --replicas")
     else:
         from fivefold.runtime.launch import resolve_device
 
         _, gpus = resolve_device("cuda")
-        require(gpus >= layout.devices, "--device", "cuda", f"the layout needs {layout.devices} GPUs "
-                f"(tp x pp x replicas), this machine has {gpus}")
+        require(gpus >= local, "--device", "cuda", f"{'this node runs' if args.torchrun_worker else 'the layout needs'} "
+                f"{local} GPUs (tp x pp x replicas), this machine has {gpus}")
     return layout
 
 

@@ -49,10 +49,16 @@ class ExpertShare:
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """models/attention.py's attend, with grouped-query heads left to the kernel (enable_gqa) instead of copying
-    each kv head for its query heads: the gathered context is the largest tensor of a decode step."""
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    """Queries [B, Q, H, d] against K and V [B, kv heads, L, d] (the cache's layout), mask [B, 1, Q, L].
+    One query each (decodes): a kv head's query heads are folded into its query rows ([B, kv heads, H / kv
+    heads, d], the same mask for each), an attention without grouped heads, which torch's CPU kernel runs
+    faster than enable_gqa (measured, docs/serving.md). Longer queries (a prefill chunk) use enable_gqa."""
+    batch, queries, heads, d = q.shape
+    kv_heads = k.shape[1]
+    if queries == 1:
+        out = F.scaled_dot_product_attention(q.view(batch, kv_heads, heads // kv_heads, d), k, v, attn_mask=mask)
+        return out.reshape(batch, 1, heads, d)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=heads != kv_heads)
     return out.transpose(1, 2)
 
 
@@ -106,6 +112,7 @@ class StageRunner:
         kv_start, kv_end = kv_head_range(spec, tp, tp_rank)
         self.cache = PagedKVCache(self.layers, kv_blocks, block_size, kv_end - kv_start, spec.head_dim,
                                   kv_dtype or dtype, self.device)
+        self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # this step's cos/sin (_rope_of_step)
 
     def _bring(self, layer: int) -> None:
         """This layer's weights from the reader thread (sliced for this rank) into its modules."""
@@ -130,7 +137,8 @@ class StageRunner:
             self.all_reduce(tensor)
         return tensor
 
-    def _attention(self, layer_id: int, block: nn.Module, x: torch.Tensor, index: BatchIndex) -> torch.Tensor:
+    def _attention(self, layer_id: int, block: nn.Module, x: torch.Tensor, index: BatchIndex,
+                   contexts: list[torch.Tensor]) -> torch.Tensor:
         attention = block.attention
         tokens, d = x.shape[0], attention.head_dim
         q = attention.wq(x).view(tokens, -1, d)
@@ -139,23 +147,39 @@ class StageRunner:
         if attention.q_norm is not None:
             q, k = attention.q_norm(q), attention.k_norm(k)
         if attention.use_rope:
-            cos, sin = rope_cos_sin(index.positions, d, attention.rope_theta, q.dtype)
-            cos, sin = cos[:, None, :], sin[:, None, :]
+            cos, sin = self._rope_of_step(index, d, attention.rope_theta, q.dtype)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
         self.cache.write(layer_id, index.slots, k, v)
         out = torch.empty_like(q)
-        for group in index.groups:
-            keys, values = self.cache.read(layer_id, group.context_slots, q.dtype)
+        for group, context in zip(index.groups, contexts):
+            keys, values = self.cache.read(layer_id, context, group.batch, q.dtype)
+            if group.max_query == 1:  # the decodes: one query per request, in row order
+                out[group.rows] = _attend(q[group.rows][:, None], keys, values, group.mask)[:, 0]
+                continue
+            if group.batch == 1:  # a prefill chunk alone (batch.py): its queries are its rows, no padding
+                out[group.rows] = _attend(q[group.rows][None], keys, values, group.mask)[0]
+                continue
             queries = q.new_zeros(group.batch, group.max_query, q.shape[1], d)
             queries[group.token_request, group.token_offset] = q[group.rows]
             out[group.rows] = _attend(queries, keys, values, group.mask)[group.token_request, group.token_offset]
         return self._reduce(attention.wo(out.reshape(tokens, -1)))
 
+    def _rope_of_step(self, index: BatchIndex, head_dim: int, theta: float,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, head_dim] of the step's positions, made once per step for every layer."""
+        key = (head_dim, theta, dtype)
+        if key not in self._rope:
+            cos, sin = rope_cos_sin(index.positions, head_dim, theta, dtype)
+            self._rope[key] = (cos[:, None, :], sin[:, None, :])
+        return self._rope[key]
+
     @torch.inference_mode()
     def forward(self, step: StepBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """[T, hidden] states for the next stage, or (last stage) fp32 logits [S, vocab] of the sampled rows."""
         index = build_index(step, self.block_size, self.device)
+        contexts = [self.cache.context_index(group.tables) for group in index.groups]
+        self._rope = {}
         model = self.model
         if self.first:
             h = model.tok_embeddings(torch.tensor(step.token_ids, dtype=torch.long, device=self.device))
@@ -166,7 +190,7 @@ class StageRunner:
         for key, block in model.layers.items():
             if self.stream is not None:
                 self._bring(int(key))
-            h = h + self._attention(int(key), block, block.attention_norm(h), index)
+            h = h + self._attention(int(key), block, block.attention_norm(h), index, contexts)
             h = h + self._reduce(block.feed_forward(block.ffn_norm(h)[None])[0])
             if self.stream is not None:
                 self._drop(block)

@@ -5,6 +5,7 @@ until a worker dies (the pending requests get 503, then one line and exit 1)."""
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import sys
@@ -36,19 +37,25 @@ def run_server(args: argparse.Namespace) -> int:
     source = open_source(args.from_hf, args.checkpoint)
     layout = layout_from_serve_args(args, source.spec)
     codec = open_codec(source)
+    from fivefold.serve.executor import make_executor
+    from fivefold.serve.generate import print_torchrun_line
+    from fivefold.serve.workers import WorkerDied
+
+    if args.torchrun_worker and os.environ.get("RANK", "0") != "0":  # a worker rank: no server, only its share
+        make_executor(source, layout, args.device, args.memory_window, torchrun=True)
+        return 0
+    print_torchrun_line("serve", args, layout)
     sock = _listen(args.host, args.port)  # before the workers start: a taken port is a one-line error
 
     import uvicorn
 
     from fivefold.serve.api import ServerState, make_app
     from fivefold.serve.engine import Engine
-    from fivefold.serve.executor import make_executor
     from fivefold.serve.loop import EngineLoop
     from fivefold.serve.metrics import ServeMetrics
-    from fivefold.serve.workers import WorkerDied
 
     try:
-        executor = make_executor(source, layout, args.device, args.memory_window)
+        executor = make_executor(source, layout, args.device, args.memory_window, args.torchrun_worker)
     except WorkerDied as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

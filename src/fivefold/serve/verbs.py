@@ -15,15 +15,20 @@ def add_serve_verbs(verb: Callable[..., argparse.ArgumentParser], add_json_flag:
     from fivefold.flags import add_serve_layout_flags
     from fivefold.serve.options import add_model_flags
 
+    parsers: dict[str, argparse.ArgumentParser] = {}
+
     def cmd_generate(args: argparse.Namespace) -> int:
         from fivefold.serve.generate import run_generate
         from fivefold.serve.workers import WorkerDied
 
+        args.worker_flags = repeated_flags(parsers["generate"], args)
         try:
             summary = run_generate(args)
         except WorkerDied as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
+        if summary is None:  # a torchrun worker rank other than 0: rank 0 wrote the output
+            return 0
         if args.json:
             print_json(summary)
         else:
@@ -34,6 +39,7 @@ def add_serve_verbs(verb: Callable[..., argparse.ArgumentParser], add_json_flag:
     def cmd_serve(args: argparse.Namespace) -> int:
         from fivefold.serve.server import run_server
 
+        args.worker_flags = repeated_flags(parsers["serve"], args)
         return run_server(args)
 
     p = verb("generate", "complete every prompt of a JSON-lines file (continuous batching over tp x pp x replicas)",
@@ -48,6 +54,7 @@ def add_serve_verbs(verb: Callable[..., argparse.ArgumentParser], add_json_flag:
     p.add_argument("--seed", type=int, default=0, help="sampling seed; a token depends on (seed, line, position)")
     p.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens even past an end token")
     add_json_flag(p)
+    parsers["generate"] = p
 
     p = verb("serve", "an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)", cmd_serve)
     add_model_flags(p)
@@ -56,3 +63,17 @@ def add_serve_verbs(verb: Callable[..., argparse.ArgumentParser], add_json_flag:
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
     p.add_argument("--max-queue", type=int, default=1024,
                    help="requests waiting for a slot before new ones get HTTP 429 (default: 1024)")
+    parsers["serve"] = p
+
+
+def repeated_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The flags given (those not at their default), as the torchrun line repeats them for every rank."""
+    flags = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help", "nnodes", "torchrun_worker"):
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flags += [action.option_strings[0]] if action.nargs == 0 else [action.option_strings[0], str(value)]
+    return flags

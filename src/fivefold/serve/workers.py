@@ -47,11 +47,64 @@ class WorkerPlace:
         return self.stage * layout.tp + self.tp_rank
 
 
+HIDDEN_TAG = 0  # point-to-point tags: the hidden states between stages (torchrun.py adds its own)
+
+
+def join_stage_groups(layout: ServeLayout, first_ranks: list[int], replica: int, stage: int):
+    """Every replica's tp group of every stage (every rank creates every group, in the same order, as
+    torch.distributed requires); this rank's own. first_ranks[r] = the world rank of replica r's rank 0."""
+    import torch.distributed as dist
+
+    mine = None
+    for r, first in enumerate(first_ranks):
+        for s in range(layout.pp):
+            group = dist.new_group([first + s * layout.tp + t for t in range(layout.tp)]) if layout.tp > 1 else None
+            if (r, s) == (replica, stage):
+                mine = group
+    return mine
+
+
+class RankModel:
+    """One rank's part of one replica: its stage's layers for its tp rank, and the hops between stages. `step`
+    takes the StepBatch, receives the previous stage's hidden states, computes, sends them on, and returns the
+    sampled rows' logits on the last stage's tp rank 0 (None on the others). first_rank is the world rank of
+    the replica's rank 0 (0 when each replica is its own world, as in WorkerPool)."""
+
+    def __init__(self, source: ModelSource, layout: ServeLayout, place: WorkerPlace, memory_window: int,
+                 first_rank: int, tp_group) -> None:
+        import torch.distributed as dist
+
+        from fivefold.serve.runner import TORCH_DTYPES, build_runner
+
+        self.layout, self.place, self.hidden = layout, place, source.spec.hidden
+        self.dtype = TORCH_DTYPES[layout.dtype]
+        self.device = torch.device("cuda", place.device_index) if place.device == "cuda" else torch.device("cpu")
+        self.rank = first_rank + place.rank(layout)
+        self.runner = build_runner(source, layout, stage=place.stage, tp_rank=place.tp_rank, device=self.device,
+                                   memory_window=memory_window,
+                                   all_reduce=(lambda t: dist.all_reduce(t, group=tp_group)) if tp_group else None)
+
+    @property
+    def returns_logits(self) -> bool:
+        return self.place.stage == self.layout.pp - 1 and self.place.tp_rank == 0
+
+    def step(self, batch: StepBatch) -> torch.Tensor | None:
+        import torch.distributed as dist
+
+        hidden = None
+        if self.place.stage > 0:
+            hidden = torch.empty(batch.num_tokens, self.hidden, dtype=self.dtype, device=self.device)
+            dist.recv(hidden, src=self.rank - self.layout.tp, tag=HIDDEN_TAG)
+        out = self.runner.forward(batch, hidden)
+        if self.place.stage < self.layout.pp - 1:
+            dist.send(out.contiguous(), dst=self.rank + self.layout.tp, tag=HIDDEN_TAG)
+            return None
+        return out if self.place.tp_rank == 0 else None
+
+
 def _worker_main(source: ModelSource, layout: ServeLayout, place: WorkerPlace, memory_window: int, inbox,
                  results) -> None:
     import torch.distributed as dist
-
-    from fivefold.serve.runner import TORCH_DTYPES, build_runner
 
     # A terminal's Ctrl-C reaches the whole process group: the engine ends its workers itself (after `serve` has
     # drained its requests), so the workers ignore it.
@@ -59,44 +112,36 @@ def _worker_main(source: ModelSource, layout: ServeLayout, place: WorkerPlace, m
     torch.set_num_threads(place.threads)
     rank, world = place.rank(layout), layout.tp * layout.pp
     try:
-        device = torch.device("cuda", place.device_index) if place.device == "cuda" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        if place.device == "cuda":
+            torch.cuda.set_device(place.device_index)
         tp_group = None
         if world > 1:
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+            dist.init_process_group("nccl" if place.device == "cuda" else "gloo", rank=rank, world_size=world,
                                     init_method=f"tcp://127.0.0.1:{place.port}")
-            for stage in range(layout.pp):  # every rank creates every group, in the same order
-                group = dist.new_group([stage * layout.tp + r for r in range(layout.tp)]) if layout.tp > 1 else None
-                if stage == place.stage:
-                    tp_group = group
-        dtype = TORCH_DTYPES[layout.dtype]
-        runner = build_runner(source, layout, stage=place.stage, tp_rank=place.tp_rank, device=device,
-                              memory_window=memory_window,
-                              all_reduce=(lambda t: dist.all_reduce(t, group=tp_group)) if tp_group else None)
+            tp_group = join_stage_groups(layout, [0], 0, place.stage)
+        model = RankModel(source, layout, place, memory_window, 0, tp_group)
         results.put(("ready", place.replica, rank, None))
         while True:
             batch: StepBatch | None = inbox.get()
             if batch is None:
                 break
-            hidden = None
-            if place.stage > 0:
-                hidden = torch.empty(batch.num_tokens, source.spec.hidden, dtype=dtype, device=device)
-                dist.recv(hidden, src=rank - layout.tp)
-            out = runner.forward(batch, hidden)
-            if place.stage < layout.pp - 1:
-                dist.send(out.contiguous(), dst=rank + layout.tp)
-            elif place.tp_rank == 0:
+            out = model.step(batch)
+            if out is not None:
                 results.put(("logits", place.replica, batch.number, out.cpu().numpy()))
-        runner.close()
+        model.runner.close()
         if world > 1:
             dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the engine as one line, then the process ends
-        lines = [line for line in f"{type(exc).__name__}: {exc}".splitlines() if line.strip()]
-        if os.environ.get("FIVEFOLD_DEBUG"):
-            traceback.print_exc()
-        results.put(("error", place.replica, rank, lines[0] if lines else type(exc).__name__))
+        results.put(("error", place.replica, rank, one_line(exc)))
         raise SystemExit(1) from None
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception as one line (the traceback too with FIVEFOLD_DEBUG=1)."""
+    lines = [line for line in f"{type(exc).__name__}: {exc}".splitlines() if line.strip()]
+    if os.environ.get("FIVEFOLD_DEBUG"):
+        traceback.print_exc()
+    return lines[0] if lines else type(exc).__name__
 
 
 class WorkerPool:
