@@ -8,7 +8,7 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.cost import STACKS, estimate
-from fivefold.cost.comm import all_reduce_time, topology_of
+from fivefold.cost.comm import SELF, all_reduce_time, topology_of
 from fivefold.cost.dataparallel import tied_embedding_seconds
 from fivefold.cost.layer import LayerShape, head_cost, padded_vocab
 from fivefold.cost.layout import Layout, layer_costs, rank_envs, stage_params
@@ -202,3 +202,21 @@ def test_explanations_read_a_breakdown_without_the_vocab_term() -> None:
     assert text.startswith("vocabulary parallel=off instead of vocabulary parallel=on")
     assert "spends less on vocabulary-parallel collectives (" in text and "-> 0.00 ms per step" in text
     assert explain_vocab_parallel(b, a).startswith("vocabulary parallel: ")
+
+
+def test_fivefold_stack_costs_the_runtimes_pp_only_split_under_tp() -> None:
+    """fivefold's runtime gives every tp rank the whole vocab/pp slice on its own tokens (its sequence shard
+    under sequence parallel, all of them without): exactly the head of one rank without tp on those tokens,
+    with no tp collective; a stack that cuts the rows pp x tp ways (modern) gathers the normed sequence."""
+    model = dataclasses.replace(PRESETS["llama3-8b"], vocab=131072)  # divisible by 128 x tp x pp: no padding
+    plan = _plan(model=model, tp=2, pp=4, dp=1, vocab_parallel=True, sequence_parallel=True)
+    layout = Layout.of_plan(plan)
+    env = rank_envs(layout, topology_of(layout.cluster))[0]
+    for sp, own_tokens in ((True, 1024), (False, 2048)):
+        pp_only = head_cost(LayerShape(model, 2048, 1, 2, 1, 1, sp, "none", 1.0), env.device, FIVEFOLD, env.tp, 4)
+        alone = head_cost(LayerShape(model, own_tokens, 1, 1, 1, 1, False, "none", 1.0), env.device, FIVEFOLD,
+                          SELF, 4)
+        assert pp_only == pytest.approx(alone, rel=1e-12) and pp_only.tp_comm == 0.0
+    modern = head_cost(LayerShape(model, 2048, 1, 2, 1, 1, True, "none", 1.0), env.device, STACKS["modern"],
+                       env.tp, 4)
+    assert modern.tp_comm > 0.0
