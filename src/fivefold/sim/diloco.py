@@ -11,8 +11,8 @@ outer loop costs. The last T steps drawn are the next cycle's first ones, where 
 cycle land; the mean step of the cycle is therefore (drawn time - T inner steps) / H, which is the inner step +
 P * max(0, fragment time - T * inner step) / H: the estimate's formula, with the simulated inner step.
 
-Steps that neither send nor wait (nor apply) are drawn as one bar per rank ("inner steps a-b"), so a cycle of
-hundreds of steps stays a picture; the steps around each exchange are drawn pass by pass. Every rank of every
+Steps that neither send nor wait (nor apply) are drawn as one bar per rank ("inner steps"; one per step on a
+group faster than the slowest, which waits after each), so a cycle of hundreds of steps stays a picture; the steps around each exchange are drawn pass by pass. Every rank of every
 group shows the exchange on its communication row (thread "outer exchange" in the trace, with its bytes). The
 memory curves include the outer weights and momentum (8 bytes per parameter of the rank's shard).
 """
@@ -107,8 +107,11 @@ def simulate_diloco(plan: Plan, cost: DiLoCoCost, stack: Any = None) -> SimResul
                 run_end = step
                 while run_end + 1 <= last and run_end + 1 not in detailed:
                     run_end += 1
-                events.append(Event(base + row, "compute", INNER_STEPS, starts[step - 1],
-                                    starts[run_end - 1] + result.step_time_s))
+                # One bar for the run; a group faster than the pace waits after each step: a bar per step.
+                paced = result.step_time_s >= inner_step * (1 - 1e-9)
+                for first, final in ([(step, run_end)] if paced else [(s, s) for s in range(step, run_end + 1)]):
+                    events.append(Event(base + row, "compute", INNER_STEPS, starts[first - 1],
+                                        starts[final - 1] + result.step_time_s))
                 step = run_end + 1
             events.extend(Event(base + row, "comm", OUTER_SYNC, start, end, stage=fragment)
                           for fragment, (_, _, start, end) in sorted(exchanges.items()))
@@ -128,7 +131,7 @@ def simulate_diloco(plan: Plan, cost: DiLoCoCost, stack: Any = None) -> SimResul
     fragment_bytes = cost.outer_bytes_per_rank / spec.fragments
     outer = {"groups": spec.groups, "sync_every": spec.sync_every, "fragments": spec.fragments,
              "overlap": spec.overlap, "outer_dtype": spec.outer_dtype, "steps_drawn": last,
-             "inner_step_s": inner_step, "step_time_s": mean_step, "exposed_per_step_s": mean_step - inner_step,
+             "inner_step_s": inner_step, "step_time_s": mean_step, "exposed_per_step_s": max(0.0, mean_step - inner_step),
              "fragment_bytes_per_rank": fragment_bytes, "fragment_exchange_s": cost.fragment_exchange_s,
              "link_ranks": link.size, "link_gbit_s": link.ring_bandwidth * 8 / 1e9,
              "exchanges": [{"fragment": p, "send_after_step": send, "apply_after_step": apply, "start_s": start,
