@@ -29,7 +29,7 @@ from fivefold.sim.from_plan import check_simulation_size, replica_inputs
 from fivefold.sim.schedules import SPLIT_BACKWARD
 from fivefold.sim.step_input import INNER_STEPS, OUTER_SYNC, Event
 from fivefold.sim.summary import rank_result
-from fivefold.spec.diloco import applies_at, sends_at
+from fivefold.spec.diloco import DiLoCoSpec, applies_at, sends_at
 from fivefold.spec.plan import Plan
 
 
@@ -46,7 +46,7 @@ def group_labels(plan: Plan, groups: int, group: int) -> tuple[str, ...]:
     return tuple(labels)
 
 
-def cycle_starts(spec: Any, inner_step: float, fragment_s: float) -> tuple[list[float], float, dict[int, tuple]]:
+def cycle_starts(spec: DiLoCoSpec, inner_step: float, fragment_s: float) -> tuple[list[float], float, dict[int, tuple]]:
     """Start of each inner step 1 .. H + T of one outer cycle, the end of the drawing, and per fragment sent
     in the cycle (send step, apply step, exchange start, exchange end). Step s + 1 starts when step s ends and
     every fragment applied after step s has landed."""
@@ -61,7 +61,7 @@ def cycle_starts(spec: Any, inner_step: float, fragment_s: float) -> tuple[list[
     return starts, time, exchanges
 
 
-def detailed_steps(spec: Any, exchanges: dict[int, tuple]) -> set[int]:
+def detailed_steps(spec: DiLoCoSpec, exchanges: dict[int, tuple]) -> set[int]:
     """Steps drawn pass by pass: every send step, every apply step and the step after it."""
     last = spec.sync_every + spec.overlap
     steps = {s for send, apply, _, _ in exchanges.values() for s in (send, apply, apply + 1)}
@@ -146,7 +146,7 @@ def simulate_diloco(plan: Plan, cost: DiLoCoCost, stack: Any = None) -> SimResul
                      replicas=sum(r.replicas for r in inner), outer=outer)
 
 
-def simulate_diloco_plan(plan: Plan, spec: Any, sync: Any, stack: Any = None,
+def simulate_diloco_plan(plan: Plan, spec: DiLoCoSpec, sync: Any, stack: Any = None,
                          stage_scale: dict[int, float] | None = None) -> tuple[SimResult, DiLoCoCost]:
     """`simulate --dp-sync diloco`: the cycle of `plan` under `spec` (DiLoCoSpec), and the cost model's DiLoCo
     numbers (`sync` = estimate(plan)) whose step_time_s the mean step is compared with."""
