@@ -14,7 +14,8 @@ can be stopped and continued. Prints per run the final training loss (mean of th
 held-out loss, both against DDP's (and the held-out difference in nats: the paper's +0.7% at 35M is +0.023), the
 wall time and the dp bytes sent (sum of dp_sync_bytes, rank 0); the best
 per H against the gap Table 4 of the paper gives at M = 2 for its smallest model (cost/diloco.py loss_gap).
-Writes the curves of DDP and the best run per H to --out.
+Writes the curves of DDP, the best run per H and Streaming to --out, and of DDP and the best momentum-0.9 run per H
+beside it (..._momentum09.png).
 
     python bench/diloco.py [--steps 200] [--work out/bench_diloco] [--out docs/images/diloco_convergence.png]
 """
@@ -175,7 +176,11 @@ def main() -> int:
     plot([ddp, *best, streaming], Path(args.out),
          f"small, built-in corpus, 2 groups, {args.steps} steps: DDP vs the best outer setting run per H, "
          "and Streaming at H 20's")
-    print(f"plot: {args.out}")
+    paper = [min((r for r in runs if r["flags"]["outer_momentum"] == PAPER_MOMENTUM), key=final_eval)
+             for runs in by_h.values()]
+    paper_out = Path(args.out).with_name(Path(args.out).stem + "_momentum09.png")
+    plot([ddp, *paper], paper_out, f"the same, with the paper's outer Nesterov momentum 0.9 (best outer lr run per H)")
+    print(f"plots: {args.out}, {paper_out}")
     return 0
 
 
