@@ -15,8 +15,8 @@ tuned per setting) at the Chinchilla token budget (20 tokens per parameter), for
 2.4B, and the percentage difference Table 4 prints beside each (LOSS_GAP_PERCENT, what the gap interpolates;
 the losses are kept to check it). Transcribed from a text copy of the paper's v1 PDF (section 4, Table 4). Beyond 2.4B the 2.4B row holds: the paper's
 4B and 10B runs (Table 5, hyperparameters from its fits, M <= 4) agree (M = 2: -0.18% and -0.19%). H is
-not an input: the laws fix H = 30, and its ablation (section 5.1, Figure 9) finds the loss rising only slowly
-with H beyond 5. `token_factor` turns the gap into the tokens DiLoCo needs to reach
+not an input: the laws fix H = 30, and its ablation (section 5.1, Figure 9) finds the loss rising with H once
+H > 1, less steeply for larger models. `token_factor` turns the gap into the tokens DiLoCo needs to reach
 data-parallel's loss, through the data term of the Chinchilla fit (Hoffmann et al. 2022, approach 3:
 L = E + A / N^0.34 + B / D^0.28, E = 1.69, A = 406.4, B = 410.7): DiLoCo's curve is data-parallel's with
 its tokens scaled by k. DiLoCo ending below data-parallel (M = 1, large models) is counted as no gain
