@@ -10,7 +10,7 @@ import pytest
 
 from fivefold.cost import estimate
 from fivefold.cost.comm import all_reduce_time, topology_of
-from fivefold.cost.diloco import LOSS_GAP_PERCENT, diloco_cost, group_plan, loss_gap, token_factor
+from fivefold.cost.diloco import EVAL_LOSS, LOSS_GAP_PERCENT, diloco_cost, group_plan, loss_gap, token_factor
 from fivefold.planner import search
 from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
 from fivefold.spec.diloco import DiLoCoSpec
@@ -30,6 +30,19 @@ def test_loss_gap_follows_the_published_table():
             assert loss_gap(size, replicas) == pytest.approx(percent / 100)
     assert loss_gap(35e6, 2) > loss_gap(550e6, 2) > loss_gap(2.4e9, 2)  # the gap shrinks with size
     assert loss_gap(35e6, 16) > loss_gap(35e6, 8)  # and grows with replicas
+
+
+def test_loss_gap_table_is_table_4():
+    """Charles et al. 2025, Table 4: each printed percentage is its row's DiLoCo loss over Data-Parallel's (to the
+    0.1% it is printed at, plus the rounding of the 3-decimal losses), and a few cells read off the paper."""
+    assert EVAL_LOSS.keys() == LOSS_GAP_PERCENT.keys()
+    for size, (data_parallel, row) in EVAL_LOSS.items():
+        assert row.keys() == LOSS_GAP_PERCENT[size].keys() == {1, 2, 4, 8}
+        for replicas, loss in row.items():
+            assert 100 * (loss / data_parallel - 1) == pytest.approx(LOSS_GAP_PERCENT[size][replicas], abs=0.07)
+    assert EVAL_LOSS[35e6] == (3.485, {1: 3.482, 2: 3.508, 4: 3.554, 8: 3.621})
+    assert LOSS_GAP_PERCENT[2.4e9] == {1: -0.4, 2: -0.1, 4: 0.3, 8: 1.1}
+    assert loss_gap(35e6, 2) == pytest.approx(0.007)
 
 
 def test_token_factor():

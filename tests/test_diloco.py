@@ -5,7 +5,8 @@
   averaged after every step, computed here in the test process;
 - after every sync every group holds the same weights (outer_weights_spread == 0);
 - with fragments, fragment p starts its exchange after step s with s % H == offset_p and applies it T later;
-- dp_sync_bytes is recorded for synchronous DP and DiLoCo.
+- dp_sync_bytes is recorded for synchronous DP and DiLoCo;
+- the held-out loss (--eval-data) of two groups is the loss of their (synced) weights on the eval batches.
 """
 
 from __future__ import annotations
@@ -84,10 +85,12 @@ def test_outer_step_is_nesterov_sgd():
 
 # --- runs ------------------------------------------------------------------------------------------
 
-def local_sgd_reference(lr: float, grad_clip: float, warmup: int) -> list[float]:
+def local_sgd_reference(lr: float, grad_clip: float, warmup: int,
+                        eval_data: str | None = None) -> tuple[list[float], float]:
     """Two models from the same seeded weights, each trained with AdamW on its half of every global batch
     (loss over its own tokens, clipped by its own norm), their weights averaged after every step; the mean
-    of the two losses per step."""
+    of the two losses per step, and the averaged model's mean loss on the first 4 global batches of
+    `eval_data` (as runtime/evaluate.py draws them; nan without)."""
     import torch
     import torch.nn.functional as F
 
@@ -127,11 +130,31 @@ def local_sgd_reference(lr: float, grad_clip: float, warmup: int) -> list[float]
                 a.copy_(mean)
                 b.copy_(mean)
         losses.append(sum(step_losses) / 2)
-    return losses
+    if eval_data is None:
+        return losses, float("nan")
+    from fivefold.data import open_data
+
+    held_out = GlobalBatchLoader(open_data(eval_data, load_tokenizer(None), "text"), seq_len=SEQ, global_batch=BATCH,
+                                 seed=0)
+    with torch.no_grad():
+        batches = [held_out.next_batch() for _ in range(4)]
+        eval_losses = [F.cross_entropy(models[0](b[:, :-1]).flatten(0, 1).float(), b[:, 1:].flatten()).item()
+                       for b in batches]
+    return losses, sum(eval_losses) / len(eval_losses)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[dict]]:
+def heldout(tmp_path_factory) -> str:
+    """40 stories of the built-in grammar drawn with another seed than the training corpus's."""
+    from fivefold.data.corpus import builtin_documents
+
+    path = tmp_path_factory.mktemp("heldout") / "heldout.txt"
+    path.write_text("\n\n".join(builtin_documents(40, seed=1)) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, heldout) -> dict[str, list[dict]]:
     from fivefold.runtime import launch
 
     folder = tmp_path_factory.mktemp("diloco")
@@ -139,7 +162,8 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     configs = {
         "sync": dict(),
         "one-group": dict(dp_sync="diloco", diloco_groups=1, sync_every=2, outer_lr=1.0, outer_momentum=0.0),
-        "local-sgd": dict(dp_sync="diloco", diloco_groups=2, sync_every=1, outer_lr=1.0, outer_momentum=0.0),
+        "local-sgd": dict(dp_sync="diloco", diloco_groups=2, sync_every=1, outer_lr=1.0, outer_momentum=0.0,
+                          eval_data=heldout),
         "streaming": dict(dp_sync="diloco", sync_every=4, fragments=2, overlap=1, outer_dtype="bf16"),
     }
     outer = dict(dp_sync="diloco", sync_every=2)
@@ -166,11 +190,15 @@ def test_one_group_is_plain_training(runs):
 
 
 @pytest.mark.slow
-def test_two_groups_every_step_is_local_sgd(runs):
+def test_two_groups_every_step_is_local_sgd(runs, heldout):
     config = RunConfig("")
-    reference = local_sgd_reference(config.lr, config.grad_clip, config.warmup_steps)
+    reference, held_out = local_sgd_reference(config.lr, config.grad_clip, config.warmup_steps, heldout)
     assert [r["loss"] for r in runs["local-sgd"]] == pytest.approx(reference, rel=RTOL)
     assert all(r["outer_weights_spread"] == 0.0 for r in runs["local-sgd"])
+    # Evaluated after the last step (each group its half of the rows, with the synced weights): the groups'
+    # shares are averaged, not added (they were added before, doubling the loss).
+    assert [r["step"] for r in runs["local-sgd"] if "eval_loss" in r] == [STEPS]
+    assert runs["local-sgd"][-1]["eval_loss"] == pytest.approx(held_out, rel=RTOL)
 
 
 @pytest.mark.slow
@@ -183,7 +211,7 @@ def test_inner_layouts_reduce_inside_their_group(tmp_path):
                       metrics_file=str(tmp_path / f"{name}.jsonl"), dp_sync="diloco", sync_every=1, outer_lr=1.0,
                       outer_momentum=0.0) for name, plan in plans.items()], 4)
     config = RunConfig("")
-    reference = local_sgd_reference(config.lr, config.grad_clip, config.warmup_steps)
+    reference, _ = local_sgd_reference(config.lr, config.grad_clip, config.warmup_steps)
     for name in plans:
         records = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
         assert [r["loss"] for r in records] == pytest.approx(reference, rel=RTOL), name

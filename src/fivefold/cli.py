@@ -130,10 +130,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fivefold.sim.outputs import write_outputs
 
     plan = plan_from_args(args)
+    diloco = diloco_of_args(args, plan)  # --dp-sync diloco: one outer cycle (sim/diloco.py)
     check_output_dir(args.out_dir, "--out-dir")
     stage_scale = parse_stage_times(args.stage_time, plan.num_stages)
     estimate = estimate_plan(plan, stack_of_args(args))
-    result = simulate_plan(plan, stage_scale, estimate=estimate)
+    if diloco is not None:
+        from fivefold.sim.diloco import simulate_diloco_plan
+
+        result, estimate = simulate_diloco_plan(plan, diloco, estimate, stack_of_args(args), stage_scale)
+    else:
+        result = simulate_plan(plan, stage_scale, estimate=estimate)
     out_dir = make_dir(args.out_dir, "--out-dir")
     trace_path, png_path = write_outputs(result, out_dir)
     if args.json:
@@ -319,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what-if: scale the compute time of one stage (repeatable), e.g. 0=1.5")
     add_stack_flag(p)
     add_json_flag(p)
+    add_diloco_flags(p)
 
     p = verb("dryrun", "build each kind of rank of a plan with the real runtime on fake tensors and measure its "
              "peak memory against the estimate (no GPU needed)", cmd_dryrun)

@@ -6,7 +6,9 @@ run's seed), so every plan and every evaluation of a run sees the same tokens in
 the forward of its rows as a training step would (its replica's micro-batches, its cp columns, its tp shards;
 a pipeline through the schedule's forward-only `eval`), with the same loss normalisation (summed cross-entropy
 over the global batch's target tokens), and one all-reduce per batch adds the shares (runtime/bookkeeping.py).
-eval_loss is the mean over the K batches, eval_perplexity its exponential.
+eval_loss is the mean over the K batches, eval_perplexity its exponential. With DiLoCo each outer group
+evaluates its rows with its own weights, normalised by its own tokens (as in training), so the groups' shares
+are averaged: at a sync step every group holds the outer weights and this is their loss on the whole batch.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class Evaluator:
 
     @torch.no_grad()
     def evaluate(self, model: Any, rows: slice, cp_rank: int, tp_rank: int,
-                 end_of_document: int | None) -> dict[str, float]:
+                 end_of_document: int | None, outer_groups: int = 1) -> dict[str, float]:
         """{"eval_loss", "eval_perplexity"} of the current weights, the same on every rank."""
         loader = GlobalBatchLoader(*self.loader_args)
         total = 0.0
@@ -56,7 +58,8 @@ class Evaluator:
             inputs, targets, extra = shard_batch(model.plan, cp_rank, batch[:, :-1], batch[:, 1:], end_of_document)
             local = forward_loss(model, inputs, targets, extra)
             zero = torch.zeros((), dtype=torch.float64, device=model.device)
-            total += reduce_step_totals(zero, local, model.plan, tp_rank, request_metrics=False).loss
+            total += reduce_step_totals(zero, local, model.plan, tp_rank, request_metrics=False,
+                                        outer_groups=outer_groups).loss
         forget_router_stats(model.parts)
         loss = total / self.batches
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}

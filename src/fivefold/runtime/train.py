@@ -280,7 +280,7 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
         tracer.end_step()
         if evaluator is not None and evaluator.due(step + 1):  # after the step's timing: not part of it
             record.update(evaluator.evaluate(step_model, rows, mesh.coords["cp"], mesh.coords["tp"],
-                                             end_of_document))
+                                             end_of_document, groups))
         history.append(record)
         if is_rank0:
             metrics.write(record)

@@ -87,6 +87,7 @@ class SimResult:
     visits: int = 0  # how often the engine looked at an action (at most 3 per action, see the docstring)
     actions: int = 0  # F/B/I/W actions replayed
     replicas: int = 1  # distinct data-parallel replicas simulated: rows are replica-major (replica * pp + rank)
+    outer: dict | None = None  # DiLoCo (sim/diloco.py): the outer cycle drawn; step_time_s is then its length
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -105,7 +106,7 @@ class SimResult:
                            "comm_share": r.exposed_comm_s / self.step_time_s if self.step_time_s else 0.0,
                            "idle_share": r.idle_s / self.step_time_s if self.step_time_s else 0.0,
                            "bubble_fraction": r.bubble_fraction, "peak_memory_bytes": r.peak_memory_bytes}
-                          for r in self.ranks]}
+                          for r in self.ranks], **({"diloco": self.outer} if self.outer else {})}
 
 
 def simulate(step: StepInput) -> SimResult:

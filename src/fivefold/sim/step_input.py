@@ -15,6 +15,8 @@ PARAM_GATHER = "param-gather"
 EMBEDDING_SYNC = "embedding-sync"
 CONTEXT_EXCHANGE = "cp-exchange"  # context parallel's K/V all-gather or Ulysses all-to-alls, lane "cp"
 VOCAB_COLLECTIVES = "vocab-collectives"  # vocabulary parallelism's pp-group collectives (cost/vocab.py), lane "cp"
+OUTER_SYNC = "outer-sync"  # DiLoCo: a fragment's outer all-reduce between the groups (sim/diloco.py), lane "comm"
+INNER_STEPS = "inner-steps"  # DiLoCo: a run of inner steps drawn as one bar (sim/diloco.py), lane "compute"
 
 
 class Event(NamedTuple):

@@ -21,17 +21,19 @@ from pathlib import Path
 from fivefold.sim.engine import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, CONTEXT_EXCHANGE, EMBEDDING_SYNC, FORWARD,
                                  VOCAB_COLLECTIVES,
                                  GRAD_REDUCE, OPTIMIZER, PARAM_GATHER, SEND_ACTIVATION, SEND_GRADIENT, Event, SimResult)
+from fivefold.sim.step_input import INNER_STEPS, OUTER_SYNC
 from fivefold.spec.units import GIB
 
 COLORS = {FORWARD: "#4C72B0", BACKWARD: "#DD8452", BACKWARD_INPUT: "#DD8452", BACKWARD_WEIGHT: "#55A868",
           OPTIMIZER: "#8172B3", SEND_ACTIVATION: "#937860", SEND_GRADIENT: "#DA8BC3", GRAD_REDUCE: "#C44E52",
           PARAM_GATHER: "#64B5CD", EMBEDDING_SYNC: "#8C8C8C", CONTEXT_EXCHANGE: "#CCB974",
-          VOCAB_COLLECTIVES: "#2CA6A4"}
+          VOCAB_COLLECTIVES: "#2CA6A4", OUTER_SYNC: "#000000", INNER_STEPS: "#9DB3D4"}
 LEGEND = {FORWARD: "forward", BACKWARD: "backward", BACKWARD_INPUT: "backward: input grad",
           BACKWARD_WEIGHT: "backward: weight grad", OPTIMIZER: "optimizer", SEND_ACTIVATION: "send activation",
           SEND_GRADIENT: "send gradient", GRAD_REDUCE: "gradient reduce (dp)", PARAM_GATHER: "parameter gather",
           EMBEDDING_SYNC: "tied-embedding all-reduce", CONTEXT_EXCHANGE: "context-parallel exchange (inside F/B)",
-          VOCAB_COLLECTIVES: "vocabulary-parallel collectives (inside F/B)"}
+          VOCAB_COLLECTIVES: "vocabulary-parallel collectives (inside F/B)",
+          OUTER_SYNC: "DiLoCo outer exchange (between groups)", INNER_STEPS: "DiLoCo: inner steps without exchange"}
 AGGREGATE_ABOVE = 2000  # bars on one rank beyond which ranks are drawn as aggregated spans
 PIXELS_ACROSS = 1500  # about the width of the time axis in pixels: gaps below step / this are closed
 BUSY, COMM = "busy", "comm"
@@ -195,7 +197,9 @@ def write_timeline_png(result: SimResult, path: str | Path, dpi: int = 130) -> P
            "numbers on bars: micro-batch; thin rows: sends above, collectives below"
            + ("; lighter bars: a rank's second stage" if several_stages else ""))
     title = result.title or result.schedule
-    gantt.set_title(f"{title}\nstep {result.step_time_s * scale:.3g} {unit}, pipeline bubble "
+    span = (f"step {result.step_time_s * scale:.3g} {unit}" if not result.outer else  # DiLoCo: one outer cycle
+            f"cycle {result.step_time_s * scale:.3g} {unit}, mean step {result.outer['step_time_s'] * scale:.3g} {unit}")
+    gantt.set_title(f"{title}\n{span}, pipeline bubble "
                     f"{result.bubble_fraction:.1%}, {result.micro_batches} micro-batches ({how})", fontsize=10,
                     pad=28)
     _draw_memory(memory, result, scale, unit)
