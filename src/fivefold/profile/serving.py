@@ -1,0 +1,182 @@
+"""Host costs of fivefold's serving engine on CPU: what a step of `fivefold serve` / `generate` spends in Python
+(the batching Scheduler, batch building, the paged-attention index, eager module calls, sampling, the worker
+queues) apart from arithmetic.
+
+The real code runs on a model of negligible size (hidden 32, vocab 16: serve_probe_spec), so what is left is the
+per-step, per-request and per-layer cost, not the work:
+- serve_step, serve_request, serve_layer, serve_attention_group: Engine.step() over the in-process executor
+  (serve/executor.LocalExecutor, the tp1 x pp1 path) for decode steps of B requests and prefill steps of G
+  chunks, on stages of L layers; a least-squares fit of
+  step = serve_step + serve_request x requests + L x (serve_layer + serve_attention_group x (groups - 1)),
+  where groups are the step's attention calls per layer (all the decodes together, each prefill chunk alone:
+  serve/batch.py);
+- serve_worker_step: what one step's trip through the worker queues adds (serve/workers.py: the StepBatch
+  pickled into a worker's inbox, the sampled rows' logits back through the results queue), timed against an
+  echoing process from the same forkserver context.
+The ranks of `fivefold profile` measure the first four at once (each gets what it gets while the others work);
+the queue trip is timed once, by the launching process. No distributed call here.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import numpy as np
+
+from fivefold.spec import ModelSpec
+
+# The runtime's default family (RoPE, RMSNorm, SwiGLU, grouped-query attention) at a negligible size.
+SERVE_PROBE_MODEL = ModelSpec(name="serve-probe", layers=1, hidden=32, heads=4, kv_heads=2, ffn_hidden=32, vocab=16,
+                              max_seq_len=4096)
+DECODE_BATCHES = (1, 16)  # requests per decode step
+PREFILL_CHUNKS = (1, 4)  # prefill chunks (of PREFILL_TOKENS each) in one step
+PREFILL_TOKENS = 8
+LAYERS = (1, 4)  # stage depths
+KV_BLOCKS = 512
+
+
+@dataclass(frozen=True)
+class _ProbeSource:
+    """What serve/runner.build_runner reads of a ModelSource: the spec and the weights (in memory here)."""
+
+    spec: ModelSpec
+    state: dict
+    path: str = ""
+
+    def load_state_dict(self) -> dict:
+        return self.state
+
+
+def serve_probe_spec(layers: int) -> ModelSpec:
+    return replace(SERVE_PROBE_MODEL, layers=layers)
+
+
+def _engine(layers: int):
+    import torch
+
+    from fivefold.models import build_model, init_weights
+    from fivefold.serve.engine import Engine
+    from fivefold.serve.executor import LocalExecutor
+    from fivefold.spec.serve import BatchLimits, ServeLayout
+
+    spec = serve_probe_spec(layers)
+    model = build_model(spec, device="meta")
+    model.to_empty(device="cpu")
+    init_weights(model, 0)
+    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    layout = ServeLayout(dtype="fp32", kv_dtype="fp32", limits=BatchLimits(kv_blocks=KV_BLOCKS))
+    with torch.inference_mode():
+        executor = LocalExecutor(_ProbeSource(spec, state), layout)  # type: ignore[arg-type]
+    return Engine(executor, layout, max_context=spec.max_seq_len)
+
+
+def _decode_seconds(engine, batch: int, steps: int, tag: str) -> float:
+    """Median seconds of a decode step of `batch` requests (after their one-step prefill)."""
+    from fivefold.serve.engine import Request
+
+    requests = [Request(f"{tag}-{i}", [1 + i % 15, 2, 3, 4], steps + 2) for i in range(batch)]
+    for request in requests:
+        engine.add(request)
+    engine.step()  # the prompts
+    engine.step()  # first decode (warm)
+    times = []
+    while engine.busy:
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[:-1] or times)  # the last step also retires every request
+
+
+def _prefill_seconds(engine, chunks: int, repeats: int, tag: str) -> float:
+    """Median seconds of a step computing `chunks` prompts of PREFILL_TOKENS each (each samples one token and
+    finishes)."""
+    from fivefold.serve.engine import Request
+
+    times = []
+    for round_ in range(repeats + 1):
+        for i in range(chunks):
+            engine.add(Request(f"{tag}-{round_}-{i}", [1 + (i + j) % 15 for j in range(PREFILL_TOKENS)], 1))
+        start = time.perf_counter()
+        while engine.busy:
+            engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def fit_serving_host(decode: dict[tuple[int, int], float],
+                     prefill: dict[tuple[int, int], float]) -> dict[str, float]:
+    """Least squares of step = serve_step + serve_request x requests + layers x (serve_layer +
+    serve_attention_group x (groups - 1)) over decode steps {(layers, requests): s} (one attention group) and
+    prefill steps {(layers, chunks): s} (a group per chunk); each cost clamped at 0."""
+    rows, seconds = [], []
+    for (layers, requests), value in decode.items():
+        rows.append([1.0, requests, layers, 0.0])
+        seconds.append(value)
+    for (layers, chunks), value in prefill.items():
+        rows.append([1.0, chunks, layers, layers * (chunks - 1)])
+        seconds.append(value)
+    solution = np.linalg.lstsq(np.array(rows), np.array(seconds), rcond=None)[0]
+    names = ("serve_step", "serve_request", "serve_layer", "serve_attention_group")
+    return {name: max(0.0, float(value)) for name, value in zip(names, solution)}
+
+
+def measure_serving_host(quick: bool, line_up: Callable[[], None] = lambda: None) -> dict[str, float]:
+    """serve_step, serve_request, serve_layer, serve_attention_group of this process (module docstring)."""
+    steps, repeats = (24, 9) if quick else (64, 25)
+    decode: dict[tuple[int, int], float] = {}
+    prefill: dict[tuple[int, int], float] = {}
+    for layers in LAYERS:
+        engine = _engine(layers)
+        try:
+            for batch in DECODE_BATCHES:
+                line_up()
+                decode[(layers, batch)] = _decode_seconds(engine, batch, steps, f"d{batch}")
+            for chunks in PREFILL_CHUNKS:
+                line_up()
+                prefill[(layers, chunks)] = _prefill_seconds(engine, chunks, repeats, f"p{chunks}")
+        finally:
+            engine.executor.close()
+    return fit_serving_host(decode, prefill)
+
+
+def _echo(inbox, results) -> None:
+    """A worker's queue traffic without the model: take a StepBatch, return logits of its sampled rows."""
+    while True:
+        batch = inbox.get()
+        if batch is None:
+            return
+        results.put(("logits", batch.replica, batch.number,
+                     np.zeros((len(batch.sample_rows), SERVE_PROBE_MODEL.vocab), dtype=np.float32)))
+
+
+def measure_worker_step(quick: bool, requests: int = 8) -> float:
+    """Seconds one step's round trip through the worker queues takes (module docstring): a decode StepBatch of
+    `requests` requests out, their logits back, through queues of the forkserver context serve/workers.py uses."""
+    from fivefold.serve.batch import StepBatch
+
+    context = mp.get_context("forkserver")
+    inbox, results = context.Queue(), context.Queue()
+    process = context.Process(target=_echo, args=(inbox, results), daemon=True, name="fivefold-profile-echo")
+    process.start()
+    try:
+        def trip(number: int) -> float:
+            batch = StepBatch(number, 0, list(range(requests)), [64] * requests, [1] * requests, [65] * requests,
+                              [[r * 5 + b for b in range(5)] for r in range(requests)], list(range(requests)))
+            start = time.perf_counter()
+            inbox.put(batch)
+            results.get(timeout=20)
+            return time.perf_counter() - start
+
+        for number in range(10):
+            trip(number)
+        times = [trip(number) for number in range(10, 10 + (100 if quick else 400))]
+    finally:
+        inbox.put(None)
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+    return statistics.median(times)
