@@ -235,7 +235,18 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from fivefold.report import report_run
+    from fivefold.report.serving import serving_renderables, serving_report, serving_run_file
 
+    run_file = serving_run_file(args.run)
+    if run_file is not None:  # a serving run (generate --metrics-file)
+        served = serving_report(run_file)
+        if args.json:
+            print_json(served.to_dict())
+            return 0
+        out = console()
+        for renderable in serving_renderables(served):
+            out.print(renderable, soft_wrap=isinstance(renderable, str))
+        return 0
     report = report_run(args.run, args.stack)
     if args.json:
         print_json(report.to_dict())

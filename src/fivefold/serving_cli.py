@@ -89,7 +89,8 @@ def _time(seconds: float | None) -> str:
 
 STEP_LABELS = {"gemm_s": "linear layers (GEMMs: weights read / FLOPs)", "attention_s": "attention (KV read, prefill)",
                "tp_comm_s": "tensor-parallel all-reduces", "other_s": "element-wise + LM head",
-               "pp_send_s": "pipeline transfer", "host_s": "engine host work per step"}
+               "pp_send_s": "pipeline transfer", "host_s": "engine host work per step",
+               "stage_host_s": "engine host work per layer (measured: eager modules, attention calls)"}
 
 
 def estimate_renderables(layout: ServeLayout, inputs: ServeInputs, estimate: Any) -> list:

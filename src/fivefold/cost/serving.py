@@ -71,8 +71,8 @@ ELEMENTWISE_BYTES_PER_HIDDEN = 14 * 2
 def skinny_gemm_time(device: Device, m: int, n: int, k: int, batch: int = 1, fp8: bool = False) -> float:
     """The faster of cost/compute.gemm_time and a split-K kernel at the roofline (weights streamed once)."""
     tiled = gemm_time(device, m, n, k, batch, fp8)
-    if m <= 0 or n <= 0 or k <= 0:
-        return tiled
+    if m <= 0 or n <= 0 or k <= 0 or (device.host is not None and device.gemm_curve is not None):
+        return tiled  # a profiled CPU: the measured rate of this shape (small GEMMs run far below the best one)
     rate = device.fp8_gemm_peak if fp8 and device.fp8_gemm_peak else device.gemm_peak
     weight_bytes = 1 if fp8 and device.fp8_gemm_peak else device.element_bytes
     memory = (k * n * weight_bytes + (m * k + m * n) * 2) * batch / device.bandwidth

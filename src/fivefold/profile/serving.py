@@ -37,6 +37,8 @@ PREFILL_CHUNKS = (1, 4)  # prefill chunks (of PREFILL_TOKENS each) in one step
 PREFILL_TOKENS = 8
 LAYERS = (1, 4)  # stage depths
 KV_BLOCKS = 512
+# (rounds, decode steps per batch size and round, prefill steps per chunk count and round)
+QUICK, FULL = (4, 8, 3), (8, 16, 6)
 
 
 @dataclass(frozen=True)
@@ -74,8 +76,8 @@ def _engine(layers: int):
     return Engine(executor, layout, max_context=spec.max_seq_len)
 
 
-def _decode_seconds(engine, batch: int, steps: int, tag: str) -> float:
-    """Median seconds of a decode step of `batch` requests (after their one-step prefill)."""
+def _decode_times(engine, batch: int, steps: int, tag: str) -> list[float]:
+    """Seconds of each of `steps` decode steps of `batch` requests (after their one-step prefill)."""
     from fivefold.serve.engine import Request
 
     requests = [Request(f"{tag}-{i}", [1 + i % 15, 2, 3, 4], steps + 2) for i in range(batch)]
@@ -88,23 +90,23 @@ def _decode_seconds(engine, batch: int, steps: int, tag: str) -> float:
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    return statistics.median(times[:-1] or times)  # the last step also retires every request
+    return times[:-1] or times  # the last step also retires every request
 
 
-def _prefill_seconds(engine, chunks: int, repeats: int, tag: str) -> float:
-    """Median seconds of a step computing `chunks` prompts of PREFILL_TOKENS each (each samples one token and
-    finishes)."""
+def _prefill_times(engine, chunks: int, repeats: int, tag: str) -> list[float]:
+    """Seconds of each of `repeats` steps computing `chunks` prompts of PREFILL_TOKENS each (each samples one
+    token and finishes)."""
     from fivefold.serve.engine import Request
 
     times = []
-    for round_ in range(repeats + 1):
+    for round_ in range(repeats):
         for i in range(chunks):
             engine.add(Request(f"{tag}-{round_}-{i}", [1 + (i + j) % 15 for j in range(PREFILL_TOKENS)], 1))
         start = time.perf_counter()
         while engine.busy:
             engine.step()
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return times
 
 
 def fit_serving_host(decode: dict[tuple[int, int], float],
@@ -125,22 +127,29 @@ def fit_serving_host(decode: dict[tuple[int, int], float],
 
 
 def measure_serving_host(quick: bool, line_up: Callable[[], None] = lambda: None) -> dict[str, float]:
-    """serve_step, serve_request, serve_layer, serve_attention_group of this process (module docstring)."""
-    steps, repeats = (24, 9) if quick else (64, 25)
-    decode: dict[tuple[int, int], float] = {}
-    prefill: dict[tuple[int, int], float] = {}
-    for layers in LAYERS:
-        engine = _engine(layers)
-        try:
-            for batch in DECODE_BATCHES:
-                line_up()
-                decode[(layers, batch)] = _decode_seconds(engine, batch, steps, f"d{batch}")
-            for chunks in PREFILL_CHUNKS:
-                line_up()
-                prefill[(layers, chunks)] = _prefill_seconds(engine, chunks, repeats, f"p{chunks}")
-        finally:
+    """serve_step, serve_request, serve_layer, serve_attention_group of this process (module docstring). The
+    configurations take turns, round after round, and each keeps the median of all its steps: on a shared
+    machine the neighbours' load drifts, and a drift between two configurations would land in their difference."""
+    rounds, steps, repeats = QUICK if quick else FULL
+    engines = {layers: _engine(layers) for layers in LAYERS}
+    decode: dict[tuple[int, int], list[float]] = {(l, b): [] for l in LAYERS for b in DECODE_BATCHES}
+    prefill: dict[tuple[int, int], list[float]] = {(l, c): [] for l in LAYERS for c in PREFILL_CHUNKS}
+    try:
+        for layers, engine in engines.items():  # warm-up: first calls, lazy allocations
+            _prefill_times(engine, 1, 1, "warm")
+        for round_ in range(rounds):
+            for layers, engine in engines.items():
+                for batch in DECODE_BATCHES:
+                    line_up()
+                    decode[(layers, batch)] += _decode_times(engine, batch, steps, f"d{round_}-{batch}")
+                for chunks in PREFILL_CHUNKS:
+                    line_up()
+                    prefill[(layers, chunks)] += _prefill_times(engine, chunks, repeats, f"p{round_}-{chunks}")
+    finally:
+        for engine in engines.values():
             engine.executor.close()
-    return fit_serving_host(decode, prefill)
+    return fit_serving_host({key: statistics.median(v) for key, v in decode.items()},
+                            {key: statistics.median(v) for key, v in prefill.items()})
 
 
 def _echo(inbox, results) -> None:
