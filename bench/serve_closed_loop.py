@@ -14,7 +14,9 @@
 3. The prediction is the one generate recorded at launch for that cluster: the simulator's replay of the same
    requests through the same scheduler with the cost model's step times (sim/serving.py; the steady-state
    estimate's means are in each report too). The table shows TTFT and TPOT p50/p90 and output tokens/s, predicted
-   and measured, with signed errors (+ = over-predicted), and the load average before each run.
+   and measured, with signed errors (+ = over-predicted), the share of a core the profile's probe and the run got
+   while they wanted one (fivefold.local.CpuShare, from the kernel's scheduler statistics), and the load average
+   before each run.
 
 Profiling right before serving keeps both in the same state of a shared machine; the runs of a round follow each
 other (interleaved rounds), and the machine's neighbours still come and go: the load average is printed beside
@@ -95,7 +97,9 @@ def run_round(work: Path, round_: int, layouts: list[str], env: dict) -> list[di
                  str(run / "out.jsonl"), "--metrics-file", str(run / "requests.jsonl"), "--cluster", str(profile),
                  *LAYOUTS[name], env=env)
         report = json.loads(fivefold("report", str(run), "--json", env=env))
-        row = {"layout": name, "round": round_, "load": load}
+        share = report["cpu_share"]
+        ran = share["workers"] if share["workers"] is not None else share["engine"]
+        row = {"layout": name, "round": round_, "load": load, "share": {**share, "run": ran}}
         for key, _ in FIGURES:
             row[key] = {"predicted": report[key]["simulated"], "measured": report[key]["measured"],
                         "estimate": report[key]["predicted"]}
@@ -116,12 +120,15 @@ def format_row(row: dict) -> str:
         figure = row[key]
         scale, unit = (1.0, "") if key == "output_tokens_per_s" else (1e3, "")
         cells.append(f"{scale * figure['predicted']:7.1f} {scale * figure['measured']:7.1f} {error(figure):>5}{unit}")
-    return f"{row['layout']:10} {row['round']:>2}  " + "  ".join(cells) + f"   {row['load']}"
+    share = row["share"]
+    shares = f"{share['profile'] or 0:.2f}/{share['run'] or 0:.2f}"
+    return f"{row['layout']:10} {row['round']:>2}  " + "  ".join(cells) + f"   {shares:>9}  {row['load']}"
 
 
 def header() -> str:
     names = "  ".join(f"{label + ' pred/meas/err':>21}" for _, label in FIGURES)
-    return f"{'layout':10} {'r':>2}  {names}   load avg (1/5/15 min)\n(times in ms; pred = simulated replay)"
+    return (f"{'layout':10} {'r':>2}  {names}   {'share p/r':>9}  load avg (1/5/15 min)\n(times in ms; pred = "
+            "simulated replay; share p/r: of a core while runnable, the profile's probe / the run's workers or engine)")
 
 
 def main() -> None:

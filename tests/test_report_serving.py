@@ -56,6 +56,9 @@ def test_the_report_compares_the_recorded_prediction_with_the_requests(served, c
     assert recorded["layout"]["tp"] == 1 and recorded["cluster_label"] == "1x1xcpu"
     assert report["ttft_p90_s"]["predicted"] == recorded["prediction"]["estimate"]["ttft_s"]["p90"]
     assert report["tpot_p50_s"]["simulated"] == recorded["prediction"]["simulated"]["tpot_s"]["p50"]
+    # One process: the engine's share of a core while runnable, no workers; a catalog cluster has no probe.
+    assert 0.0 < report["cpu_share"]["engine"] <= 1.0
+    assert report["cpu_share"]["workers"] is None and report["cpu_share"]["profile"] is None
 
 
 def test_the_steps_hold_every_token_of_the_trace(served):

@@ -13,7 +13,8 @@ per-step, per-request and per-layer cost, not the work:
 - serve_worker_step: what one step's trip through the worker queues adds (serve/workers.py: the StepBatch
   pickled into a worker's inbox, the sampled rows' logits back through the results queue), timed against an
   echoing process from the same forkserver context.
-The ranks of `fivefold profile` measure the first four at once (each gets what it gets while the others work);
+serve_cpu_share records the share of a core the probe got while it wanted one (local.CpuShare), so a run that
+got less on a shared machine can say so (`fivefold report`). The ranks of `fivefold profile` measure these at once (each gets what it gets while the others work);
 the queue trip is timed once, by the launching process. No distributed call here.
 """
 
@@ -127,11 +128,15 @@ def fit_serving_host(decode: dict[tuple[int, int], float],
 
 
 def measure_serving_host(quick: bool, line_up: Callable[[], None] = lambda: None) -> dict[str, float]:
-    """serve_step, serve_request, serve_layer, serve_attention_group of this process (module docstring). The
+    """serve_step, serve_request, serve_layer, serve_attention_group of this process (module docstring), and
+    serve_cpu_share: the share of a core it got while measuring (local.CpuShare). The
     configurations take turns, round after round, and each keeps the median of all its steps: on a shared
     machine the neighbours' load drifts, and a drift between two configurations would land in their difference."""
+    from fivefold.local import CpuShare
+
     rounds, steps, repeats = QUICK if quick else FULL
     engines = {layers: _engine(layers) for layers in LAYERS}
+    share = CpuShare()
     decode: dict[tuple[int, int], list[float]] = {(l, b): [] for l in LAYERS for b in DECODE_BATCHES}
     prefill: dict[tuple[int, int], list[float]] = {(l, c): [] for l in LAYERS for c in PREFILL_CHUNKS}
     try:
@@ -148,8 +153,9 @@ def measure_serving_host(quick: bool, line_up: Callable[[], None] = lambda: None
     finally:
         for engine in engines.values():
             engine.executor.close()
-    return fit_serving_host({key: statistics.median(v) for key, v in decode.items()},
-                            {key: statistics.median(v) for key, v in prefill.items()})
+    costs = fit_serving_host({key: statistics.median(v) for key, v in decode.items()},
+                             {key: statistics.median(v) for key, v in prefill.items()})
+    return {**costs, "serve_cpu_share": share.share() or 0.0}
 
 
 def _echo(inbox, results) -> None:

@@ -41,12 +41,13 @@ class ServingReport:
     requests: int
     figures: list[Figure]
     steps: dict  # measured steps: count, median seconds, mean requests and tokens, KV blocks in use at most
+    cpu_share: dict  # of a core while runnable: the profile's probe, the run's engine and workers (local.CpuShare)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"run": self.run, "kind": "serving", "layout": self.layout, "cluster": self.cluster,
                 "requests": self.requests, **{f.key: f.to_dict() for f in self.figures}, "steps": self.steps,
-                "notes": self.notes}
+                "cpu_share": self.cpu_share, "notes": self.notes}
 
 
 def _read_lines(path: Path, what: str, required: tuple[str, ...]) -> list[dict]:
@@ -116,6 +117,24 @@ def _step_summary(steps: list[dict]) -> dict:
             "kv_blocks_in_use_max": max((s.get("kv_blocks_in_use", 0) for s in steps), default=0)}
 
 
+def _cpu_shares(run: dict) -> dict:
+    """The profile's serve_cpu_share (first group of the recorded cluster) and the run's (serve/record.py)."""
+    def number(value: object) -> float | None:
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+    try:
+        host = run["cluster"]["group"][0]["calibration"]["host"]
+        profile = number(host.get("serve_cpu_share"))
+    except (KeyError, IndexError, TypeError, AttributeError):
+        profile = None
+    recorded = run.get("cpu_share") if isinstance(run.get("cpu_share"), dict) else {}
+    return {"profile": profile, "engine": number(recorded.get("engine")), "workers": number(recorded.get("workers"))}
+
+
+def _shares_text(shares: dict) -> str:
+    return ", ".join(f"{shares[k]:.0%} ({k})" for k in ("engine", "workers") if shares.get(k) is not None)
+
+
 def _layout_label(layout: dict) -> str:
     return (f"tp{layout.get('tp', 1)} pp{layout.get('pp', 1)} x{layout.get('replicas', 1)} replicas, "
             f"{layout.get('dtype', '?')}")
@@ -141,12 +160,18 @@ def serving_report(run_file: Path) -> ServingReport:
     figures.append(Figure("output_tokens_per_s", "output tokens/s", "tokens/s",
                           get(estimate, "output_tokens_per_s"), get(simulated, "output_tokens_per_s"),
                           measured["output_tokens_per_s"]))
+    shares = _cpu_shares(run)
     notes = []
+    ran = [v for k, v in shares.items() if k != "profile" and v is not None]
+    if shares.get("profile") and ran and min(ran) < 0.9 * shares["profile"]:
+        notes.append(f"while runnable the run got {_shares_text(shares)} of a core, the profile's probe "
+                     f"{shares['profile']:.0%}: on a shared machine the neighbours took the rest, and host-bound "
+                     "steps take about 1/share as long")
     unfinished = sum(1 for r in requests if r["total_s"] is None)
     if unfinished:
         notes.append(f"{unfinished} requests did not finish; they count in TTFT only when they got a first token")
     return ServingReport(str(run_file.parent), _layout_label(run["layout"]), str(run.get("cluster_label", "?")),
-                         len(requests), figures, _step_summary(steps), notes)
+                         len(requests), figures, _step_summary(steps), shares, notes)
 
 
 def serving_renderables(report: ServingReport) -> list:
@@ -171,6 +196,10 @@ def serving_renderables(report: ServingReport) -> list:
         out.append(f"measured steps: {s['count']:,}, median {_value(s['median_s'], 's')}, "
                    f"{s['mean_requests']:.1f} requests and {s['mean_tokens']:.1f} tokens per step on average, "
                    f"at most {s['kv_blocks_in_use_max']} KV blocks in use")
+    if any(v is not None for v in report.cpu_share.values()):
+        profile = report.cpu_share.get("profile")
+        out.append(f"share of a core while runnable: {_shares_text(report.cpu_share) or '-'}; profile probe "
+                   f"{f'{profile:.0%}' if profile is not None else '-'}")
     for note in report.notes:
         out.append(f"note: {note}")
     return out

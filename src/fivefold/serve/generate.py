@@ -111,6 +111,8 @@ def run_generate(args: argparse.Namespace) -> dict:
         progress = Progress(len(requests), f"generating {len(requests)} completions with {source.name} "
                             f"(tp {layout.tp} x pp {layout.pp} x {layout.replicas} replicas)", stream=sys.stderr)
         loaded = time.perf_counter()
+        if run is not None:
+            executor.started()  # the CPU share over the requests, not the model's loading
         pending = arrivals_queue(engine, requests, arrivals, loaded)
         done, shown = 0, 0.0
         while engine.busy or pending:
@@ -123,11 +125,12 @@ def run_generate(args: argparse.Namespace) -> dict:
                 done, shown = finished, time.perf_counter()
                 _progress(progress, done, engine, loaded)
         elapsed = time.perf_counter() - loaded
+        share = executor.cpu_share() if run is not None else None
         progress.close()
     finally:
         executor.close()
     if run is not None:
-        write_run(make_parents(args.metrics_file, "--metrics-file"), run, requests, executor.steps, loaded)
+        write_run(make_parents(args.metrics_file, "--metrics-file"), run, requests, executor.steps, loaded, share)
     out = make_parents(args.output, "--output")
     with out.open("w") as handle:
         for request in requests:

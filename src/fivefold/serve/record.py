@@ -5,7 +5,8 @@ RUN/requests.jsonl` leaves in RUN.
   (--cluster: a `fivefold profile` file, or the catalog's), the device, the trace's arrivals and lengths (the
   workload), and the prediction made for it at launch (cost/serving_estimate.estimate_serving's fields);
 - RUN/requests.jsonl: one line per request: arrival_s (since the first arrival), prompt_tokens, output_tokens,
-  ttft_s, tpot_s, total_s, preemptions, finish_reason, replica;
+  ttft_s, tpot_s, total_s, preemptions, finish_reason, replica; and the share of a core the engine and the workers
+  got while they wanted one (cpu_share, local.CpuShare: the neighbours' part of the timings on a shared machine);
 - RUN/steps.jsonl: one line per model step: replica, step number, submitted_s / done_s (since the first arrival),
   requests, tokens, decodes, prefill_chunks, and the replica's KV blocks in use, running and waiting requests
   when it was submitted.
@@ -32,6 +33,18 @@ class StepRecorder:
         self.engine: Any = None  # set by attach(): the scheduler state recorded with each step
         self.steps: list[dict] = []
         self._open: dict[tuple[int, int], dict] = {}
+        self.started()
+
+    def started(self) -> None:
+        """From now on, the share of a core the engine and the workers get while they want one (local.CpuShare)."""
+        from fivefold.local import CpuShare
+
+        workers = [process.pid for _, process in getattr(self.executor, "processes", [])]
+        self.engine_share, self.worker_share = CpuShare(), CpuShare(workers) if workers else None
+
+    def cpu_share(self) -> dict:
+        return {"engine": self.engine_share.share(),
+                "workers": self.worker_share.share() if self.worker_share is not None else None}
 
     def attach(self, engine: Any) -> None:
         self.engine = engine
@@ -146,11 +159,14 @@ def predict_run(model: Any, layout: Any, cluster_text: str, prompts: list[list[i
             "prediction": {"estimate": estimate.to_dict(), "simulated": simulated.to_dict()}}
 
 
-def write_run(requests_path: Path, run: dict, requests: list, steps: list[dict], start: float) -> None:
-    """requests_path, and serve_run.json and steps.jsonl beside it (times since `start`)."""
+def write_run(requests_path: Path, run: dict, requests: list, steps: list[dict], start: float,
+              cpu_share: dict | None = None) -> None:
+    """requests_path, and serve_run.json and steps.jsonl beside it (times since `start`); `cpu_share`: what
+    StepRecorder.cpu_share measured over the run."""
     folder = requests_path.parent
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / RUN_FILE).write_text(json.dumps({**run, "requests_file": requests_path.name}, indent=1) + "\n")
+    (folder / RUN_FILE).write_text(json.dumps({**run, "requests_file": requests_path.name, "cpu_share": cpu_share},
+                                              indent=1) + "\n")
     with requests_path.open("w") as handle:
         for request in requests:
             handle.write(json.dumps(request_record(request, start)) + "\n")
