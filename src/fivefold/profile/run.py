@@ -120,12 +120,12 @@ def run_profile(processes: int, quick: bool, use_cuda: bool | None = None,
     report = on_step or (lambda kind, item: None)
     if not use_cuda:
         measured = measure_on_ranks(processes, quick, use_cuda=False, compute=True, on_step=report)
-        if measured.host is not None:  # one step's trip through the serving workers' queues (profile/serving.py)
+        if measured.host is not None and processes > 1:  # the serving engine's worker processes (profile/serving.py)
             from dataclasses import replace
 
-            from fivefold.profile.serving import measure_worker_step
+            from fivefold.profile.serving import measure_worker_costs
 
-            measured.host = replace(measured.host, serve_worker_step=measure_worker_step(quick))
+            measured.host = replace(measured.host, **measure_worker_costs(quick))
         return Profile(device="cpu", processes=processes, quick=quick, memory_bandwidth=measured.memory_bandwidth,
                        memory_bytes=physical_memory_bytes() / max(processes, 1), gemm=measured.gemm,
                        collectives=measured.collectives, host_costs=measured.host, threads=measured.threads)

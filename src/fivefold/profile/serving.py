@@ -15,12 +15,11 @@ per-step, per-request and per-layer cost, not the work:
   echoing process from the same forkserver context.
 serve_cpu_share records the share of a core the probe got while it wanted one (local.CpuShare), so a run that
 got less on a shared machine can say so (`fivefold report`). The ranks of `fivefold profile` measure these at once (each gets what it gets while the others work);
-the queue trip is timed once, by the launching process. No distributed call here.
+the worker costs are timed by the launching process, with 2 or more processes (the ranks have ended by then).
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -72,8 +71,10 @@ def _engine(layers: int):
     init_weights(model, 0)
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     layout = ServeLayout(dtype="fp32", kv_dtype="fp32", limits=BatchLimits(kv_blocks=KV_BLOCKS))
+    source = _ProbeSource(spec, state)
     with torch.inference_mode():
-        executor = LocalExecutor(_ProbeSource(spec, state), layout)  # type: ignore[arg-type]
+        executor = LocalExecutor(source, layout)  # type: ignore[arg-type]
+    executor.source = source  # type: ignore[attr-defined]  (measure_worker_costs starts workers of it)
     return Engine(executor, layout, max_context=spec.max_seq_len)
 
 
@@ -158,40 +159,48 @@ def measure_serving_host(quick: bool, line_up: Callable[[], None] = lambda: None
     return {**costs, "serve_cpu_share": share.share() or 0.0}
 
 
-def _echo(inbox, results) -> None:
-    """A worker's queue traffic without the model: take a StepBatch, return logits of its sampled rows."""
-    while True:
-        batch = inbox.get()
-        if batch is None:
-            return
-        results.put(("logits", batch.replica, batch.number,
-                     np.zeros((len(batch.sample_rows), SERVE_PROBE_MODEL.vocab), dtype=np.float32)))
+def _token_intervals(engine, tokens: int, tag: str) -> list[float]:
+    """Seconds between consecutive tokens of one request decoding alone: each step waits for the one before (the
+    latency of a step through every stage and back to the engine)."""
+    from fivefold.serve.engine import Request
+
+    engine.add(Request(tag, [1, 2, 3, 4], tokens + 2))
+    while engine.generated_tokens < 2:  # its prompt and first decode (warm)
+        engine.step()
+    intervals, seen, last = [], engine.generated_tokens, time.perf_counter()
+    while engine.busy:
+        engine.step()
+        if engine.generated_tokens > seen:
+            now = time.perf_counter()
+            intervals.append(now - last)
+            seen, last = engine.generated_tokens, now
+    return intervals
 
 
-def measure_worker_step(quick: bool, requests: int = 8) -> float:
-    """Seconds one step's round trip through the worker queues takes (module docstring): a decode StepBatch of
-    `requests` requests out, their logits back, through queues of the forkserver context serve/workers.py uses."""
-    from fivefold.serve.batch import StepBatch
+def measure_worker_costs(quick: bool) -> dict[str, float]:
+    """serve_worker_step and serve_pp_stage (module docstring): one request decoding on the probe model of 2 layers
+    in this process, on one worker process, and over a 2-stage pipeline of worker processes (serve/workers.py,
+    gloo between the stages), the three taking turns; medians of the intervals between tokens."""
+    from fivefold.serve.engine import Engine
+    from fivefold.serve.workers import WorkerPool
+    from fivefold.spec.serve import ServeLayout
 
-    context = mp.get_context("forkserver")
-    inbox, results = context.Queue(), context.Queue()
-    process = context.Process(target=_echo, args=(inbox, results), daemon=True, name="fivefold-profile-echo")
-    process.start()
+    rounds, steps, _ = QUICK if quick else FULL
+    local = _engine(2)
+    source, limits = local.executor.source, local.layout.limits
+    pools = {name: WorkerPool(source, ServeLayout(pp=pp, dtype="fp32", kv_dtype="fp32", limits=limits))
+             for name, pp in (("worker", 1), ("pipeline", 2))}
+    engines = {"local": local, **{name: Engine(pool, pool.layout, max_context=source.spec.max_seq_len)
+                                  for name, pool in pools.items()}}
+    times: dict[str, list[float]] = {name: [] for name in engines}
     try:
-        def trip(number: int) -> float:
-            batch = StepBatch(number, 0, list(range(requests)), [64] * requests, [1] * requests, [65] * requests,
-                              [[r * 5 + b for b in range(5)] for r in range(requests)], list(range(requests)))
-            start = time.perf_counter()
-            inbox.put(batch)
-            results.get(timeout=20)
-            return time.perf_counter() - start
-
-        for number in range(10):
-            trip(number)
-        times = [trip(number) for number in range(10, 10 + (100 if quick else 400))]
+        for round_ in range(rounds):
+            for name, engine in engines.items():
+                times[name] += _token_intervals(engine, 8 * steps, f"{name}-{round_}")
     finally:
-        inbox.put(None)
-        process.join(timeout=10)
-        if process.is_alive():
-            process.kill()
-    return statistics.median(times)
+        local.executor.close()
+        for pool in pools.values():
+            pool.close()
+    local_s, worker_s, pipeline_s = (statistics.median(times[name]) for name in ("local", "worker", "pipeline"))
+    # The pipeline's extra latency over the same layers on one worker, per stage (its two stages each pay it).
+    return {"serve_worker_step": max(0.0, worker_s - local_s), "serve_pp_stage": max(0.0, pipeline_s - worker_s) / 2}
