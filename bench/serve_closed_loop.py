@@ -122,13 +122,24 @@ def format_row(row: dict) -> str:
         cells.append(f"{scale * figure['predicted']:7.1f} {scale * figure['measured']:7.1f} {error(figure):>5}{unit}")
     share = row["share"]
     shares = f"{share['profile'] or 0:.2f}/{share['run'] or 0:.2f}"
-    return f"{row['layout']:10} {row['round']:>2}  " + "  ".join(cells) + f"   {shares:>9}  {row['load']}"
+    return (f"{row['layout']:10} {row['round']:>2}  " + "  ".join(cells) + f"   {shares:>9} {adjusted(row):>6}  "
+            f"{row['load']}")
+
+
+def adjusted(row: dict) -> str:
+    """TPOT p50's error with the prediction scaled by the profile's share of a core over the run's: what the
+    error would have been had the run had the profile's share (after the fact, not a prediction)."""
+    share, figure = row["share"], row["tpot_p50_s"]
+    if not share["profile"] or not share["run"] or not figure["measured"]:
+        return "-"
+    return error({"predicted": figure["predicted"] * share["profile"] / share["run"], "measured": figure["measured"]})
 
 
 def header() -> str:
     names = "  ".join(f"{label + ' pred/meas/err':>21}" for _, label in FIGURES)
-    return (f"{'layout':10} {'r':>2}  {names}   {'share p/r':>9}  load avg (1/5/15 min)\n(times in ms; pred = "
-            "simulated replay; share p/r: of a core while runnable, the profile's probe / the run's workers or engine)")
+    return (f"{'layout':10} {'r':>2}  {names}   {'share p/r':>9} {'adj.':>6}  load avg (1/5/15 min)\n(times in ms; "
+            "pred = simulated replay; share p/r: of a core while runnable, the profile's probe / the run's workers or "
+            "engine; adj.: TPOT p50's error with the prediction scaled by that ratio, after the fact)")
 
 
 def main() -> None:
