@@ -13,7 +13,10 @@
    worker processes as were profiled) and `fivefold report RUN --json`.
 3. The prediction is the one generate recorded at launch for that cluster: the simulator's replay of the same
    requests through the same scheduler with the cost model's step times (sim/serving.py; the steady-state
-   estimate's means are in each report too). The table shows TTFT and TPOT p50/p90 and output tokens/s, predicted
+   estimate's means are in each report too). The engine's host costs are profiled in CPU seconds (a core of the
+   process's own; profile/serving.py), so on a loaded machine the raw prediction is short by the share of a core
+   the run got; the `adj.` column divides TPOT p50's prediction by that share, measured during the run (after the
+   fact: it checks the model's structure, it is not a prediction). The table shows TTFT and TPOT p50/p90 and output tokens/s, predicted
    and measured, with signed errors (+ = over-predicted), the share of a core the profile's probe and the run got
    while they wanted one (fivefold.local.CpuShare, from the kernel's scheduler statistics), and the load average
    before each run.
@@ -127,19 +130,20 @@ def format_row(row: dict) -> str:
 
 
 def adjusted(row: dict) -> str:
-    """TPOT p50's error with the prediction scaled by the profile's share of a core over the run's: what the
-    error would have been had the run had the profile's share (after the fact, not a prediction)."""
+    """TPOT p50's error with the prediction divided by the share of a core the run got while runnable: the engine's
+    host costs are profiled in CPU seconds (a core of its own), and a step's wall time is about its CPU time over
+    the share (after the fact: the share is the run's, measured by the kernel, not predicted)."""
     share, figure = row["share"], row["tpot_p50_s"]
-    if not share["profile"] or not share["run"] or not figure["measured"]:
+    if not share["run"] or not figure["measured"]:
         return "-"
-    return error({"predicted": figure["predicted"] * share["profile"] / share["run"], "measured": figure["measured"]})
+    return error({"predicted": figure["predicted"] / share["run"], "measured": figure["measured"]})
 
 
 def header() -> str:
     names = "  ".join(f"{label + ' pred/meas/err':>21}" for _, label in FIGURES)
     return (f"{'layout':10} {'r':>2}  {names}   {'share p/r':>9} {'adj.':>6}  load avg (1/5/15 min)\n(times in ms; "
             "pred = simulated replay; share p/r: of a core while runnable, the profile's probe / the run's workers or "
-            "engine; adj.: TPOT p50's error with the prediction scaled by that ratio, after the fact)")
+            "engine; adj.: TPOT p50's error with the prediction divided by the run's share, after the fact)")
 
 
 def main() -> None:

@@ -3,19 +3,27 @@
 queues) apart from arithmetic.
 
 The real code runs on a model of negligible size (hidden 32, vocab 16: serve_probe_spec), so what is left is the
-per-step, per-request and per-layer cost, not the work:
+per-step, per-request and per-layer cost, not the work. These four are timed in CPU seconds of the measuring thread
+(time.thread_time; the in-process executor runs a step on it, one intra-op thread): on a shared machine the wall
+time of a step is its CPU time over the share of a core the process gets, and that share changes from one minute
+to the next, so a wall-clock probe would record the neighbours' load of the moment instead of the engine's cost.
+The prediction is then the one for a core of the process's own; `fivefold report` shows the share a run got.
 - serve_step, serve_request, serve_layer, serve_attention_group: Engine.step() over the in-process executor
   (serve/executor.LocalExecutor, the tp1 x pp1 path) for decode steps of B requests and prefill steps of G
   chunks, on stages of L layers; a least-squares fit of
   step = serve_step + serve_request x requests + L x (serve_layer + serve_attention_group x (groups - 1)),
   where groups are the step's attention calls per layer (all the decodes together, each prefill chunk alone:
   serve/batch.py);
-- serve_worker_step: what one step's trip through the worker queues adds (serve/workers.py: the StepBatch
-  pickled into a worker's inbox, the sampled rows' logits back through the results queue), timed against an
-  echoing process from the same forkserver context.
-serve_cpu_share records the share of a core the probe got while it wanted one (local.CpuShare), so a run that
-got less on a shared machine can say so (`fivefold report`). The ranks of `fivefold profile` measure these at once (each gets what it gets while the others work);
-the worker costs are timed by the launching process, with 2 or more processes (the ranks have ended by then).
+- serve_worker_step (wall seconds: waking a process is waiting, not work): what running a step on a worker process
+  adds (serve/workers.py: the StepBatch pickled into a worker's inbox, the process woken, the sampled rows' logits
+  back through the results queue): one request decoding on the 2-layer probe model on one worker (WorkerPool)
+  against the same in this process;
+- serve_pp_stage (wall seconds, likewise): what a 2-stage pipeline of workers adds per stage to a step's latency
+  beyond the same layers on one worker (the second stage's own inbox and fixed work, the gloo send/recv and the
+  wake-up between the stages).
+serve_cpu_share records the share of a core the probe got while it wanted one (local.CpuShare), for the record.
+The ranks of `fivefold profile` measure the first four at once; the worker costs are timed by the launching
+process, with 2 or more processes (the ranks have ended by then).
 """
 
 from __future__ import annotations
@@ -89,9 +97,9 @@ def _decode_times(engine, batch: int, steps: int, tag: str) -> list[float]:
     engine.step()  # first decode (warm)
     times = []
     while engine.busy:
-        start = time.perf_counter()
+        start = time.thread_time()
         engine.step()
-        times.append(time.perf_counter() - start)
+        times.append(time.thread_time() - start)
     return times[:-1] or times  # the last step also retires every request
 
 
@@ -104,10 +112,10 @@ def _prefill_times(engine, chunks: int, repeats: int, tag: str) -> list[float]:
     for round_ in range(repeats):
         for i in range(chunks):
             engine.add(Request(f"{tag}-{round_}-{i}", [1 + (i + j) % 15 for j in range(PREFILL_TOKENS)], 1))
-        start = time.perf_counter()
+        start = time.thread_time()
         while engine.busy:
             engine.step()
-        times.append(time.perf_counter() - start)
+        times.append(time.thread_time() - start)
     return times
 
 
