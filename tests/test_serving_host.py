@@ -13,7 +13,7 @@ from fivefold.spec.cluster import Calibration, HostCosts, calibration_from_dict,
 from fivefold.spec.devices import device_named
 
 HOST = HostCosts(op_forward=5e-6, serve_step=300e-6, serve_request=40e-6, serve_layer=500e-6,
-                 serve_attention_group=120e-6, serve_worker_step=150e-6, serve_pp_stage=900e-6)
+                 serve_attention_group=120e-6, serve_worker_step=150e-6)
 
 
 def test_serving_host_costs_round_trip_through_the_cluster_file():
@@ -77,9 +77,9 @@ def test_a_profiled_device_charges_the_engines_measured_host_work(tp, pp, on_wor
     assert step.host_s == pytest.approx(HOST.serve_step + 5 * HOST.serve_request + worker)
     assert step.stage_host_s == pytest.approx(layers * (HOST.serve_layer + 2 * HOST.serve_attention_group))
     assert step.latency_s == pytest.approx((step.stage_s - step.host_s) * pp + step.host_s)
-    # A pipeline of workers: each stage pays the measured hop (plus the message's size beyond the probe's few bytes:
-    # nothing on this link).
-    assert step.pp_send_s == pytest.approx(HOST.serve_pp_stage if pp > 1 else 0.0)
+    # A pipeline of workers: each stage boundary pays another trip to a worker (the send itself is free on this
+    # link).
+    assert step.pp_send_s == pytest.approx(HOST.serve_worker_step if pp > 1 else 0.0)
     decode = replica.step(8, 8, 800)  # decodes only: one attention call per layer
     assert decode.stage_host_s == pytest.approx(layers * HOST.serve_layer)
 

@@ -29,8 +29,9 @@ is named with its source:
   CUDA-graph replay — STEP_HOST_S, fitted on the development set (bench/validate_serving.py). On a device whose
   profile measured fivefold's own serving engine (HostCosts.serving: `fivefold profile` on CPU, profile/serving.py)
   the measured costs replace it: per step, per request in the step and, when the layout runs on worker processes,
-  one step's trip through a worker process (`host_s`, paid once per step); each stage of a pipeline of workers
-  adds its measured hop (`pp_send_s`: inbox, wake-up, gloo send/recv); per layer of the stage, with an extra
+  one step's trip through a worker process (`host_s`, paid once per step); each stage boundary of a pipeline of
+  workers pays another such trip (`pp_send_s`: the next stage's inbox and wake-up, beside the gloo send/recv);
+  per layer of the stage, with an extra
   attention call per prefill chunk beyond the first group (`stage_host_s`, paid on every stage: eager module
   calls, no CUDA graphs). Such a device is costed as training costs a profiled CPU rank (cost/compute.Device with
   the calibration): the measured GEMM rates and memory bandwidth, no per-kernel latency of its own.
@@ -244,9 +245,8 @@ class ReplicaCost:
         attention += self.prefill_attention_s(prefill_chunks)
         send = p2p_time(tokens * self.model.hidden * self.activation_bytes, self.pp_link) if self.pp > 1 else 0.0
         engine = self.engine_host
-        if engine is not None and self.pp > 1 and engine.serve_pp_stage > 0:
-            # Measured per stage on the probe (its gloo send of a few bytes included); the message's size adds.
-            send += engine.serve_pp_stage - p2p_time(1, self.pp_link)
+        if engine is not None and self.pp > 1:  # the next stage's inbox and wake-up (module docstring)
+            send += engine.serve_worker_step
         requests = decode_requests + len(prefill_chunks)
         if engine is None:
             host = self.host_s + self.host_per_request_s * requests

@@ -17,12 +17,12 @@ The prediction is then the one for a core of the process's own; `fivefold report
 - serve_worker_step (wall seconds: waking a process is waiting, not work): what running a step on a worker process
   adds (serve/workers.py: the StepBatch pickled into a worker's inbox, the process woken, the sampled rows' logits
   back through the results queue): one request decoding on the 2-layer probe model on one worker (WorkerPool)
-  against the same in this process;
-- serve_pp_stage (wall seconds, likewise): what a 2-stage pipeline of workers adds per stage to a step's latency
-  beyond the same layers on one worker (the second stage's own inbox and fixed work, the gloo send/recv and the
-  wake-up between the stages).
+  against the same in this process, the two taking turns. A pipeline's further stages are not timed here (two more
+  worker processes to start, and on a shared machine a reading that swung between 0 and 1.4 ms per stage):
+  cost/serving.py charges each stage boundary another such trip (its inbox and wake-up) plus the gloo send, which
+  the profile's send_recv curve holds.
 serve_cpu_share records the share of a core the probe got while it wanted one (local.CpuShare), for the record.
-The ranks of `fivefold profile` measure the first four at once; the worker costs are timed by the launching
+The ranks of `fivefold profile` measure the first four at once; the worker step is timed by the launching
 process, with 2 or more processes (the ranks have ended by then).
 """
 
@@ -82,7 +82,7 @@ def _engine(layers: int):
     source = _ProbeSource(spec, state)
     with torch.inference_mode():
         executor = LocalExecutor(source, layout)  # type: ignore[arg-type]
-    executor.source = source  # type: ignore[attr-defined]  (measure_worker_costs starts workers of it)
+    executor.source = source  # type: ignore[attr-defined]  (measure_worker_step starts a worker of it)
     return Engine(executor, layout, max_context=spec.max_seq_len)
 
 
@@ -185,22 +185,19 @@ def _token_intervals(engine, tokens: int, tag: str) -> list[float]:
     return intervals
 
 
-def measure_worker_costs(quick: bool) -> dict[str, float]:
-    """serve_worker_step and serve_pp_stage (module docstring): one request decoding on the probe model of 2 layers
-    in this process, on one worker process, and over a 2-stage pipeline of worker processes (serve/workers.py,
-    gloo between the stages), the three taking turns; medians of the intervals between tokens."""
+def measure_worker_step(quick: bool) -> dict[str, float]:
+    """serve_worker_step (module docstring): the medians of the intervals between the tokens of one request decoding
+    on the 2-layer probe model in this process and on one worker process (serve/workers.WorkerPool)."""
     from fivefold.serve.engine import Engine
     from fivefold.serve.workers import WorkerPool
     from fivefold.spec.serve import ServeLayout
 
     rounds, steps, _ = QUICK if quick else FULL
-    rounds = max(2, rounds // 2)  # the worker processes' start is most of this measurement's time
+    rounds = max(2, rounds // 2)  # starting the worker process is most of this measurement's time
     local = _engine(2)
-    source, limits = local.executor.source, local.layout.limits
-    pools = {name: WorkerPool(source, ServeLayout(pp=pp, dtype="fp32", kv_dtype="fp32", limits=limits))
-             for name, pp in (("worker", 1), ("pipeline", 2))}
-    engines = {"local": local, **{name: Engine(pool, pool.layout, max_context=source.spec.max_seq_len)
-                                  for name, pool in pools.items()}}
+    source = local.executor.source
+    pool = WorkerPool(source, ServeLayout(dtype="fp32", kv_dtype="fp32", limits=local.layout.limits))
+    engines = {"local": local, "worker": Engine(pool, pool.layout, max_context=source.spec.max_seq_len)}
     times: dict[str, list[float]] = {name: [] for name in engines}
     try:
         for round_ in range(rounds):
@@ -208,8 +205,5 @@ def measure_worker_costs(quick: bool) -> dict[str, float]:
                 times[name] += _token_intervals(engine, 4 * steps, f"{name}-{round_}")
     finally:
         local.executor.close()
-        for pool in pools.values():
-            pool.close()
-    local_s, worker_s, pipeline_s = (statistics.median(times[name]) for name in ("local", "worker", "pipeline"))
-    # The pipeline's extra latency over the same layers on one worker, per stage (its two stages each pay it).
-    return {"serve_worker_step": max(0.0, worker_s - local_s), "serve_pp_stage": max(0.0, pipeline_s - worker_s) / 2}
+        pool.close()
+    return {"serve_worker_step": max(0.0, statistics.median(times["worker"]) - statistics.median(times["local"]))}

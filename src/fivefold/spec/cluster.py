@@ -56,14 +56,13 @@ class HostCosts:
     overlapped_collective: float = 0.0
     # The serving engine's host work (`fivefold serve` / `generate`, profile/serving.py): per step, per request in
     # the step, per layer of a stage per step, per extra attention call per layer (each prefill chunk attends
-    # alone), one step on a worker process rather than in the engine's (layouts on worker processes), and per
-    # stage of a pipeline of workers.
+    # alone), and one step's trip to a worker process and back (layouts on worker processes; a pipeline's every
+    # further stage pays it again, cost/serving.py).
     serve_step: float = 0.0
     serve_request: float = 0.0
     serve_layer: float = 0.0
     serve_attention_group: float = 0.0
     serve_worker_step: float = 0.0
-    serve_pp_stage: float = 0.0  # what each stage of a pipeline of workers adds to a step's latency (same probe)
     # Of the time the serving probe was runnable, the share it spent on a core (local.CpuShare; 1 = it had a core
     # to itself): a run that gets a smaller share on a shared machine takes longer in proportion. 0 = not recorded.
     serve_cpu_share: float = 0.0
