@@ -44,6 +44,10 @@ def test_quick_profile_writes_a_usable_cluster_file(tmp_path, capsys):
                                                                           "optimizer_dtensor"))
     # Two ranks on this machine's cores: an all-reduce beside a GEMM loop still costs the loop something.
     assert 0 < host.overlapped_collective < 10
+    # The serving engine's host work (profile/serving.py): a deeper stage costs more per step, the worker and
+    # pipeline costs were timed (0 when the neighbours' noise exceeds them), the probe got some share of a core.
+    assert host.serving and host.serve_layer > 0 and 0 < host.serve_cpu_share <= 1
+    assert host.serve_worker_step >= 0
 
 
 def test_calibration_round_trips_through_a_plan(tmp_path):

@@ -239,7 +239,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from fivefold.report import report_run
+    from fivefold.report.serving import serving_run_file
 
+    if serving_run_file(args.run) is not None:  # a serving run (generate --metrics-file)
+        from fivefold.serving_cli import cmd_report_serve
+
+        return cmd_report_serve(args, console, print_json)
     report = report_run(args.run, args.stack)
     if args.json:
         print_json(report.to_dict())

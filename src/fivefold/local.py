@@ -1,6 +1,8 @@
 """This machine's share for local worker processes: a free TCP port for their rendezvous, the intra-op
 threads each gets, and how each one's memory allocator is set. Used by the training launcher
-(runtime/launch.py) and the profiler (profile/workers.py), so a profile measures what a training rank gets."""
+(runtime/launch.py) and the profiler (profile/workers.py), so a profile measures what a training rank gets.
+Also the share of a core processes got while they wanted one (CpuShare), from the kernel's scheduler
+statistics: on a shared machine it says how much of a timing the neighbours took."""
 
 from __future__ import annotations
 
@@ -52,3 +54,32 @@ def tune_allocator() -> list[str]:
         if name not in os.environ and mallopt(option, value) == 1:
             applied.append(name)
     return applied
+
+
+def _schedstat(pid: int | str) -> tuple[int, int] | None:
+    """(ns on a CPU, ns runnable but waiting for one) of a process so far (Linux /proc/PID/schedstat)."""
+    try:
+        running, waiting, _ = open(f"/proc/{pid}/schedstat").read().split()
+        return int(running), int(waiting)
+    except (OSError, ValueError):
+        return None
+
+
+class CpuShare:
+    """Of the time `pids` (default: this process) were runnable from now on, the share they spent on a CPU:
+    1.0 on an idle machine, about cores / runnable threads on a loaded one. None where the kernel keeps no
+    scheduler statistics."""
+
+    def __init__(self, pids: list[int] | None = None) -> None:
+        self.pids: list[int | str] = list(pids) if pids else ["self"]
+        self.start = {pid: _schedstat(pid) for pid in self.pids}
+
+    def share(self) -> float | None:
+        running = waiting = 0
+        for pid in self.pids:
+            now, then = _schedstat(pid), self.start.get(pid)
+            if now is None or then is None:
+                continue
+            running += now[0] - then[0]
+            waiting += now[1] - then[1]
+        return running / (running + waiting) if running + waiting > 0 else None

@@ -89,7 +89,8 @@ def _time(seconds: float | None) -> str:
 
 STEP_LABELS = {"gemm_s": "linear layers (GEMMs: weights read / FLOPs)", "attention_s": "attention (KV read, prefill)",
                "tp_comm_s": "tensor-parallel all-reduces", "other_s": "element-wise + LM head",
-               "pp_send_s": "pipeline transfer", "host_s": "engine host work per step"}
+               "pp_send_s": "pipeline transfer", "host_s": "engine host work per step",
+               "stage_host_s": "engine host work per layer (measured: eager modules, attention calls)"}
 
 
 def estimate_renderables(layout: ServeLayout, inputs: ServeInputs, estimate: Any) -> list:
@@ -269,4 +270,18 @@ def cmd_plan_serve(args: argparse.Namespace, console: Callable[[], Any], print_j
     for line in explanation:
         style = "red" if line.startswith("No layout meets") else None
         out.print(line, soft_wrap=True, style=style, markup=False)
+    return 0
+
+
+def cmd_report_serve(args: argparse.Namespace, console: Callable[[], Any], print_json: Callable[[Any], None]) -> int:
+    """`fivefold report RUN` on a serving run folder (generate --metrics-file): predicted against measured."""
+    from fivefold.report.serving import serving_renderables, serving_report, serving_run_file
+
+    served = serving_report(serving_run_file(args.run))
+    if args.json:
+        print_json(served.to_dict())
+        return 0
+    out = console()
+    for renderable in serving_renderables(served):
+        out.print(renderable, soft_wrap=isinstance(renderable, str))
     return 0

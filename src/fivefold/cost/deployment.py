@@ -41,8 +41,10 @@ class Replica:
 
 def _slowest(cluster: ClusterSpec, devices: list[int]):
     group_of = topology_of(cluster).group_of
-    specs = [cluster.groups[group_of[d]].device for d in devices]
-    return min(specs, key=lambda s: (s.memory_bandwidth, s.peak_flops.get("bf16", 0.0), s.memory_bytes))
+    groups = [cluster.groups[group_of[d]] for d in devices]
+    slowest = min(groups, key=lambda g: (g.device.memory_bandwidth, g.device.peak_flops.get("bf16", 0.0),
+                                         g.device.memory_bytes))
+    return slowest.device, slowest.calibration
 
 
 def _links(cluster: ClusterSpec, stages: list[tuple[int, ...]]) -> tuple[GroupLink, GroupLink]:
@@ -72,15 +74,16 @@ def place(model: ModelSpec, cluster: ClusterSpec, layout: ServeLayout, kv_blocks
     for r in range(layout.replicas):
         base = r * width
         stages = [tuple(range(base + s * layout.tp, base + (s + 1) * layout.tp)) for s in range(layout.pp)]
-        spec = _slowest(cluster, list(range(base, base + width)))
+        spec, calibration = _slowest(cluster, list(range(base, base + width)))
         if layout.dtype == "fp8" and "fp8" not in spec.peak_flops:
             raise SpecError("--dtype", "fp8", f"{spec.name} has no FP8 tensor cores; serve in bf16")
         tp_link, pp_link = _links(cluster, stages)
-        key = (id(spec), tp_link, pp_link)
+        key = (id(spec), id(calibration), tp_link, pp_link)
         cost = costs.get(key)
         if cost is None:  # replicas on the same kind of devices and links share one model (and its caches)
             cost = costs[key] = ReplicaCost(model, spec, layout.tp, layout.pp, layout.dtype, layout.kv_dtype,
-                                            layout.ep, tp_link, pp_link)
+                                            layout.ep, tp_link, pp_link, calibration=calibration,
+                                            on_workers=layout.devices > 1)
         per_token = kv_bytes_per_token(model, layout.tp, layout.pp, layout.kv_dtype)
         block_bytes = per_token * layout.limits.block_size
         if kv_blocks is not None:

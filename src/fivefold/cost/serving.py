@@ -26,7 +26,15 @@ is named with its source:
 - element-wise work and the LM head (`other_s`): norms, rotary, residuals, activation, sampling — memory-bound
   kernels (cost/compute.elementwise_time); the LM head is one more GEMM on the last stage's sampled rows.
 - the engine's per-step host work (`host_s`): scheduling, input preparation, sampling, detokenization,
-  CUDA-graph replay — STEP_HOST_S, fitted on the development set (bench/validate_serving.py).
+  CUDA-graph replay — STEP_HOST_S, fitted on the development set (bench/validate_serving.py). On a device whose
+  profile measured fivefold's own serving engine (HostCosts.serving: `fivefold profile` on CPU, profile/serving.py)
+  the measured costs replace it: per step, per request in the step and, when the layout runs on worker processes,
+  one step's trip through a worker process (`host_s`, paid once per step); each stage boundary of a pipeline of
+  workers pays another such trip (`pp_send_s`: the next stage's inbox and wake-up, beside the gloo send/recv);
+  per layer of the stage, with an extra
+  attention call per prefill chunk beyond the first group (`stage_host_s`, paid on every stage: eager module
+  calls, no CUDA graphs). Such a device is costed as training costs a profiled CPU rank (cost/compute.Device with
+  the calibration): the measured GEMM rates and memory bandwidth, no per-kernel latency of its own.
 FP8 (`dtype=fp8`) runs the block GEMMs on FP8 tensor cores with 1-byte weights (cost/compute.gemm_time's FP8
 path); `kv_dtype=fp8` halves the KV read and doubles the cache capacity. No torch here.
 """
@@ -38,6 +46,7 @@ from dataclasses import dataclass, field
 
 from fivefold.cost.comm import SELF, GroupLink, all_reduce_time, p2p_time
 from fivefold.cost.compute import Device, elementwise_time, flash_attention_time, gemm_time
+from fivefold.spec.cluster import Calibration, HostCosts
 from fivefold.spec.devices import DeviceSpec
 from fivefold.spec.model import ModelSpec
 from fivefold.spec.serve import DTYPE_BYTES, kv_heads_per_device
@@ -64,8 +73,8 @@ ELEMENTWISE_BYTES_PER_HIDDEN = 14 * 2
 def skinny_gemm_time(device: Device, m: int, n: int, k: int, batch: int = 1, fp8: bool = False) -> float:
     """The faster of cost/compute.gemm_time and a split-K kernel at the roofline (weights streamed once)."""
     tiled = gemm_time(device, m, n, k, batch, fp8)
-    if m <= 0 or n <= 0 or k <= 0:
-        return tiled
+    if m <= 0 or n <= 0 or k <= 0 or (device.host is not None and device.gemm_curve is not None):
+        return tiled  # a profiled CPU: the measured rate of this shape (small GEMMs run far below the best one)
     rate = device.fp8_gemm_peak if fp8 and device.fp8_gemm_peak else device.gemm_peak
     weight_bytes = 1 if fp8 and device.fp8_gemm_peak else device.element_bytes
     memory = (k * n * weight_bytes + (m * k + m * n) * 2) * batch / device.bandwidth
@@ -93,11 +102,13 @@ class StepCost:
     pp_send_s: float = 0.0
     host_s: float = 0.0
     stages: int = 1
+    stage_host_s: float = 0.0  # measured engines only: host work of each stage's layers (module docstring)
 
     @property
     def stage_s(self) -> float:
         """Busiest stage: the interval at which a replica can start steps with pp steps in flight."""
-        return self.gemm_s + self.attention_s + self.tp_comm_s + self.other_s + self.pp_send_s + self.host_s
+        return (self.gemm_s + self.attention_s + self.tp_comm_s + self.other_s + self.pp_send_s + self.host_s
+                + self.stage_host_s)
 
     @property
     def latency_s(self) -> float:
@@ -107,7 +118,7 @@ class StepCost:
     def to_dict(self) -> dict:
         return {"gemm_s": self.gemm_s, "attention_s": self.attention_s, "tp_comm_s": self.tp_comm_s,
                 "other_s": self.other_s, "pp_send_s": self.pp_send_s, "host_s": self.host_s,
-                "stage_s": self.stage_s, "latency_s": self.latency_s}
+                "stage_host_s": self.stage_host_s, "stage_s": self.stage_s, "latency_s": self.latency_s}
 
 
 @dataclass
@@ -125,13 +136,18 @@ class ReplicaCost:
     pp_link: GroupLink = SELF  # the slowest stage boundary
     host_s: float = STEP_HOST_S
     host_per_request_s: float = HOST_PER_REQUEST_S
+    calibration: Calibration | None = None  # a profiled device (`fivefold profile`): measured rates and host costs
+    on_workers: bool = False  # the engine runs it on worker processes (serve/executor.make_executor: > 1 device)
     _linear_cache: dict[int, tuple[float, float, float]] = field(default_factory=dict, repr=False)
     _attention_cache: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
     _head_cache: dict[int, float] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        self.device = Device(self.device_spec, self.dtype)
+        self.device = Device(self.device_spec, self.dtype, self.calibration)
         self.device.latency = min(self.device.latency, GRAPH_KERNEL_LATENCY_S)  # decode runs as CUDA graphs
+        host = self.device.host
+        # fivefold's own engine, measured (module docstring); None: the development set's fitted STEP_HOST_S.
+        self.engine_host: HostCosts | None = host if host is not None and host.serving else None
         self.layers = -(-self.model.layers // self.pp)  # busiest stage (the first stages take the remainder)
         m, tp = self.model, self.tp
         self.q_local = m.heads * m.head_dim // tp
@@ -228,8 +244,18 @@ class ReplicaCost:
         attention = self.decode_attention_s(decode_kv_tokens, decode_requests)
         attention += self.prefill_attention_s(prefill_chunks)
         send = p2p_time(tokens * self.model.hidden * self.activation_bytes, self.pp_link) if self.pp > 1 else 0.0
-        host = self.host_s + self.host_per_request_s * (decode_requests + len(prefill_chunks))
-        return StepCost(gemm, attention, comm, other, send, host, self.pp)
+        engine = self.engine_host
+        if engine is not None and self.pp > 1:  # the next stage's inbox and wake-up (module docstring)
+            send += engine.serve_worker_step
+        requests = decode_requests + len(prefill_chunks)
+        if engine is None:
+            host = self.host_s + self.host_per_request_s * requests
+            return StepCost(gemm, attention, comm, other, send, host, self.pp)
+        host = engine.serve_step + engine.serve_request * requests + (engine.serve_worker_step if self.on_workers
+                                                                         else 0.0)
+        groups = (1 if decode_requests else 0) + len(prefill_chunks)  # serve/batch.py: attention calls per layer
+        stage_host = self.layers * (engine.serve_layer + engine.serve_attention_group * max(0, groups - 1))
+        return StepCost(gemm, attention, comm, other, send, host, self.pp, stage_host)
 
     # -- what the planner reports -----------------------------------------------------------------------
     @property

@@ -38,6 +38,11 @@ def profile_renderables(profile: Profile, out: str) -> list:
     for dtype, flops in profile.peak_flops().items():
         table.add_row(f"best GEMM {dtype}", f"{flops / 1e12:.3g} TFLOP/s")
     table.add_row("memory bandwidth", f"{profile.memory_bandwidth / 1e9:.3g} GB/s")
+    host = profile.host_costs
+    if host is not None and host.serving:  # profile/serving.py
+        table.add_row("serving engine host", f"{host.serve_step * 1e6:.0f} us/step + {host.serve_request * 1e6:.0f} "
+                      f"us/request + {host.serve_layer * 1e6:.0f} us/layer (+{host.serve_attention_group * 1e6:.0f} "
+                      f"us per extra attention call); worker queues {host.serve_worker_step * 1e6:.0f} us/step")
     for collective in COLLECTIVES:
         points = [p for p in profile.collectives if p.collective == collective and p.ranks == profile.processes]
         if points:

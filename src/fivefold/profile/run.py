@@ -120,6 +120,12 @@ def run_profile(processes: int, quick: bool, use_cuda: bool | None = None,
     report = on_step or (lambda kind, item: None)
     if not use_cuda:
         measured = measure_on_ranks(processes, quick, use_cuda=False, compute=True, on_step=report)
+        if measured.host is not None and processes > 1:  # the serving engine's worker processes (profile/serving.py)
+            from dataclasses import replace
+
+            from fivefold.profile.serving import measure_worker_step
+
+            measured.host = replace(measured.host, **measure_worker_step(quick))
         return Profile(device="cpu", processes=processes, quick=quick, memory_bandwidth=measured.memory_bandwidth,
                        memory_bytes=physical_memory_bytes() / max(processes, 1), gemm=measured.gemm,
                        collectives=measured.collectives, host_costs=measured.host, threads=measured.threads)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import queue
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -63,6 +63,7 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, use_cuda: bool, compu
             from torch.distributed.device_mesh import init_device_mesh
 
             from fivefold.profile.host import measure_host_costs
+            from fivefold.profile.serving import measure_serving_host
 
             # A 1-rank mesh per rank (DTensor and FSDP2 machinery without communication), all N ranks, and
             # pairs of ranks for 2-way tensor parallelism.
@@ -83,6 +84,8 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, use_cuda: bool, compu
             copies.append(bandwidth())
             host = measure_host_costs(grid["alone"], quick, grid["world"] if ranks > 1 else None, pairs,
                                       line_up=dist.barrier, agree=agree)
+            # The serving engine's per-step host work, every rank at once (profile/serving.py).
+            host = replace(host, **measure_serving_host(quick, line_up=dist.barrier))
             copies.append(bandwidth())
             emit("memory", statistics.median(copies))
             emit("host", host)

@@ -46,7 +46,7 @@ class Run:
     trace_path: Path | None
 
 
-def _read_jsonl(path: Path, what: str) -> list[dict]:
+def read_jsonl(path: Path, what: str) -> list[dict]:
     try:
         lines = path.read_bytes().decode("utf-8").splitlines()
     except UnicodeDecodeError as exc:
@@ -135,7 +135,7 @@ def load_run(path: str | Path) -> Run:
     """Read and check a run folder (or a metrics file with plan.toml beside it)."""
     metrics_path, plan_path = find_files(path)
     plan = load_plan(plan_path)
-    records = _read_jsonl(metrics_path, "metrics file")
+    records = read_jsonl(metrics_path, "metrics file")
     if not records:
         raise SpecError("run", str(metrics_path), "holds no steps; let `fivefold train` run at least one step")
     for number, record in enumerate(records, 1):
@@ -155,7 +155,7 @@ def load_run(path: str | Path) -> Run:
     trace_path = metrics_path.parent / TRACE_FILE
     trace: list[dict] = []
     if trace_path.exists():
-        trace = _read_jsonl(trace_path, "trace file")
+        trace = read_jsonl(trace_path, "trace file")
         for number, span in enumerate(trace, 1):
             missing = [name for name in SPAN_FIELDS if name not in span]
             if missing:

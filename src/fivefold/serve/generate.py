@@ -12,6 +12,8 @@ from pathlib import Path
 
 from fivefold.errors import SpecError, require
 from fivefold.serve.engine import Engine, Request, check_request
+from fivefold.serve.record import (StepRecorder, arrivals_queue, default_serve_cluster, predict_run, trace_prompts,
+                                   write_run)
 from fivefold.serve.sampling import SamplingParams
 from fivefold.serve.source import TextCodec
 
@@ -53,6 +55,11 @@ def read_prompts(path: str, codec: TextCodec | None, vocab: int) -> list[list[in
 
 def check_generate_args(args: argparse.Namespace) -> None:
     require(args.max_tokens >= 1, "--max-tokens", args.max_tokens, "must be at least 1")
+    trace = getattr(args, "trace", None)
+    if bool(args.input) == bool(trace):
+        raise SpecError("--input/--trace", args.input or trace, "give exactly one: a prompts file or a request trace")
+    require(getattr(args, "cluster", None) is None or getattr(args, "metrics_file", None) is not None, "--cluster",
+            getattr(args, "cluster", None), "is the cluster of the prediction --metrics-file records; add --metrics-file")
     from fivefold.serve.options import check_sampling
 
     check_sampling(args.temperature, args.top_p)
@@ -75,32 +82,48 @@ def run_generate(args: argparse.Namespace) -> dict | None:
         make_executor(source, layout, args.device, args.memory_window, torchrun=True)
         return None
     codec = open_codec(source)
-    prompts = read_prompts(args.input, codec, source.spec.vocab)
+    arrivals: list[float] | None = None
+    if getattr(args, "trace", None):  # random prompts of the trace's lengths, each exactly its output length
+        prompts, max_tokens, arrivals = trace_prompts(args.trace, source.spec.vocab, args.seed)
+    else:
+        prompts = read_prompts(args.input, codec, source.spec.vocab)
+        max_tokens = [args.max_tokens] * len(prompts)
     check_output_file(args.output, "--output", "out.jsonl")
     probe = Scheduler(layout.limits)
-    for number, ids in enumerate(prompts, 1):
+    for number, (ids, count) in enumerate(zip(prompts, max_tokens), 1):
         try:
-            check_request(len(ids), args.max_tokens, source.spec.max_seq_len, probe)
+            check_request(len(ids), count, source.spec.max_seq_len, probe)
         except SpecError as exc:
-            raise SpecError(f"{args.input}:{number}:{exc.field}", exc.value, exc.fix) from None
+            raise SpecError(f"{args.input or args.trace}:{number}:{exc.field}", exc.value, exc.fix) from None
+    run = None
+    if getattr(args, "metrics_file", None):  # the layout and its prediction, checked before any worker starts
+        check_output_file(args.metrics_file, "--metrics-file", "RUN/requests.jsonl")
+        run = predict_run(source.spec, layout, args.cluster or default_serve_cluster(layout, args.device), prompts,
+                          max_tokens, arrivals)
 
     from fivefold.runtime.metrics import Progress
 
     print_torchrun_line("generate", args, layout)
     started = time.perf_counter()
     executor = make_executor(source, layout, args.device, args.memory_window, args.torchrun_worker)
+    if run is not None:
+        executor = StepRecorder(executor)
     try:
-        engine = Engine(executor, layout, eos_ids=() if args.ignore_eos else source.eos_ids,
+        engine = Engine(executor, layout, eos_ids=() if args.ignore_eos or arrivals else source.eos_ids,
                         max_context=source.spec.max_seq_len)
-        requests = [Request(str(i), ids, args.max_tokens, SamplingParams(args.temperature, args.top_p, args.seed, i))
-                    for i, ids in enumerate(prompts)]
+        if run is not None:
+            executor.attach(engine)
+        requests = [Request(str(i), ids, count, SamplingParams(args.temperature, args.top_p, args.seed, i))
+                    for i, (ids, count) in enumerate(zip(prompts, max_tokens))]
         progress = Progress(len(requests), f"generating {len(requests)} completions with {source.name} "
                             f"(tp {layout.tp} x pp {layout.pp} x {layout.replicas} replicas)", stream=sys.stderr)
         loaded = time.perf_counter()
-        for request in requests:
-            engine.add(request)
+        if run is not None:
+            executor.started()  # the CPU share over the requests, not the model's loading
+        pending = arrivals_queue(engine, requests, arrivals, loaded)
         done, shown = 0, 0.0
-        while engine.busy:
+        while engine.busy or pending:
+            pending.admit()
             engine.step()
             finished = sum(r.finish_reason is not None for r in requests)
             # A bar on a terminal follows every request; a log gets a line every 2 s and the last one.
@@ -109,9 +132,12 @@ def run_generate(args: argparse.Namespace) -> dict | None:
                 done, shown = finished, time.perf_counter()
                 _progress(progress, done, engine, loaded)
         elapsed = time.perf_counter() - loaded
+        share = executor.cpu_share() if run is not None else None
         progress.close()
     finally:
         executor.close()
+    if run is not None:
+        write_run(make_parents(args.metrics_file, "--metrics-file"), run, requests, executor.steps, loaded, share)
     out = make_parents(args.output, "--output")
     with out.open("w") as handle:
         for request in requests:

@@ -46,7 +46,17 @@ def add_serve_verbs(verb: Callable[..., argparse.ArgumentParser], add_json_flag:
              cmd_generate)
     add_model_flags(p)
     add_serve_layout_flags(p)
-    p.add_argument("--input", required=True, help="JSON lines, each {\"prompt\": text} or {\"prompt_ids\": [...]}")
+    p.add_argument("--input", default=None, help="JSON lines, each {\"prompt\": text} or {\"prompt_ids\": [...]}")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="instead of --input: a request trace (CSV or JSONL: arrival_s, prompt_tokens, output_tokens, "
+                        "as `estimate --serve --trace`); random prompts of those lengths arrive at those times and "
+                        "generate exactly output_tokens each")
+    p.add_argument("--metrics-file", default=None, metavar="RUN/requests.jsonl",
+                   help="record the run for `fivefold report RUN`: per-request and per-step timings, the layout "
+                        "and the prediction made for it")
+    p.add_argument("--cluster", default=None, metavar="FILE",
+                   help="with --metrics-file: the cluster the prediction is made for (a `fivefold profile` file; "
+                        "default: the catalog's cpu or GPU)")
     p.add_argument("--output", required=True, help="JSON lines: completion_ids, text, finish_reason, timings")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt at most (default: 16)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")

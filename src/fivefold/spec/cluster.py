@@ -54,6 +54,23 @@ class HostCosts:
     # hidden; 1 = in series; more = slower than alone). On CPU ranks the collective's copies and sums take
     # the cores the backward computes on.
     overlapped_collective: float = 0.0
+    # The serving engine's host work (`fivefold serve` / `generate`, profile/serving.py): per step, per request in
+    # the step, per layer of a stage per step, per extra attention call per layer (each prefill chunk attends
+    # alone), and one step's trip to a worker process and back (layouts on worker processes; a pipeline's every
+    # further stage pays it again, cost/serving.py).
+    serve_step: float = 0.0
+    serve_request: float = 0.0
+    serve_layer: float = 0.0
+    serve_attention_group: float = 0.0
+    serve_worker_step: float = 0.0
+    # Of the time the serving probe was runnable, the share it spent on a core (local.CpuShare; 1 = it had a core
+    # to itself): a run that gets a smaller share on a shared machine takes longer in proportion. 0 = not recorded.
+    serve_cpu_share: float = 0.0
+
+    @property
+    def serving(self) -> bool:
+        """The serving engine's host costs were measured (a profile older than profile/serving.py has none)."""
+        return self.serve_step > 0 or self.serve_layer > 0
 
     def to_dict(self) -> dict:
         return {name: getattr(self, name) for name in HOST_COST_FIELDS}
