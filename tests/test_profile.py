@@ -42,8 +42,10 @@ def test_quick_profile_writes_a_usable_cluster_file(tmp_path, capsys):
     assert host is not None and all(getattr(host, name) > 0 for name in ("op_forward", "op_backward",
                                                                           "dtensor_op_forward", "optimizer_tensor",
                                                                           "optimizer_dtensor"))
-    # Two ranks on this machine's cores: an all-reduce beside a GEMM loop still costs the loop something.
-    assert 0 < host.overlapped_collective < 10
+    # Two ranks on this machine's cores: an all-reduce beside a GEMM loop costs the loop something on a quiet
+    # machine (0.62-0.97 measured); under a neighbour's load the loop alone can time slower than with it, and
+    # the probe clamps that reading to 0 (seen once in a loaded full-suite run), so 0 is a valid reading.
+    assert 0 <= host.overlapped_collective < 10
     # The serving engine's host work (profile/serving.py): a deeper stage costs more per step, the worker and
     # pipeline costs were timed (0 when the neighbours' noise exceeds them), the probe got some share of a core.
     assert host.serving and host.serve_layer > 0 and 0 < host.serve_cpu_share <= 1
