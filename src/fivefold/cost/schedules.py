@@ -167,13 +167,17 @@ def _zbv(rank: int, pp: int, micro_batches: int) -> list[Action]:
     chunk0, chunk1 = rank, 2 * pp - 1 - rank
     # The schedule is built for at least 2pp-1 micro-batches; extra ones are dropped afterwards.
     padded = max(2 * pp - 1, micro_batches)
-    count = {key: 0 for key in ("f0", "f1", "b0", "b1", "w0", "w1")}
+    stage_of = (chunk0, chunk1)
+    # micro-batches emitted so far per kind and chunk (the planner walks ~10^5 actions: no dict or string per emit)
+    f, b, w = [0, 0], [0, 0], [0, 0]
+    tally = {FORWARD: f, BACKWARD_INPUT: b, BACKWARD_WEIGHT: w}
     actions: list[Action] = []
+    append = actions.append
 
     def emit(kind: str, chunk: int) -> None:
-        key = {FORWARD: "f", BACKWARD_INPUT: "b", BACKWARD_WEIGHT: "w"}[kind] + str(chunk)
-        actions.append(Action(kind, chunk1 if chunk else chunk0, count[key]))
-        count[key] += 1
+        done = tally[kind]
+        append(Action(kind, stage_of[chunk], done[chunk]))
+        done[chunk] += 1
 
     for _ in range(2 * (pp - rank) - 1):  # warmup 1: forwards of chunk 0
         emit(FORWARD, 0)
@@ -184,8 +188,8 @@ def _zbv(rank: int, pp: int, micro_batches: int) -> list[Action]:
         emit(FORWARD, 1)
         emit(BACKWARD_INPUT, 1)
         emit(BACKWARD_WEIGHT, 1)
-    while count["f1"] < count["f0"] or count["f0"] < padded:  # steady state
-        if count["f0"] < padded:
+    while f[1] < f[0] or f[0] < padded:  # steady state
+        if f[0] < padded:
             emit(FORWARD, 0)
         emit(BACKWARD_INPUT, 0)
         emit(BACKWARD_WEIGHT, 0)
@@ -198,8 +202,8 @@ def _zbv(rank: int, pp: int, micro_batches: int) -> list[Action]:
     for _ in range(pp - rank):
         emit(BACKWARD_INPUT, 0)
         emit(BACKWARD_WEIGHT, 0)
-    while count["w1"] < count["b1"]:
+    while w[1] < b[1]:
         emit(BACKWARD_WEIGHT, 1)
-    while count["w0"] < count["b0"]:
+    while w[0] < b[0]:
         emit(BACKWARD_WEIGHT, 0)
     return [a for a in actions if a.micro_batch < micro_batches]
