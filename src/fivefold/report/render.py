@@ -17,6 +17,21 @@ def seconds(value: float | None) -> str:
     return f"{value * 1e6:.3g} µs"
 
 
+def figures_table(figures: Any) -> Any:
+    """Predicted, simulated and measured of each figure with both errors: the table of a training run's and a
+    serving run's report."""
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False)
+    for column in ("", "predicted", "simulated", "measured", "error", "sim. error"):
+        table.add_column(column, justify="left" if not column else "right")
+    for figure in figures:
+        table.add_row(figure.name, _value(figure.predicted, figure.unit), _value(figure.simulated, figure.unit),
+                      _value(figure.measured, figure.unit), _error(error_pct(figure.predicted, figure.measured)),
+                      _error(error_pct(figure.simulated, figure.measured)))
+    return table
+
+
 def _value(value: float | None, unit: str) -> str:
     if value is None:
         return "-"
@@ -45,14 +60,7 @@ def report_renderables(report: Report) -> list[Any]:
     out.append(f"[bold]{report.run}[/bold]: {report.plan}; predicted by the cost model (stack {report.stack}) and "
                f"the simulator; measured: median of steps {steps[0]}-{steps[-1]} (first {report.warmup_steps} "
                f"left out as warm-up)")
-    table = Table(box=None, pad_edge=False)
-    for column in ("", "predicted", "simulated", "measured", "error", "sim. error"):
-        table.add_column(column, justify="left" if not column else "right")
-    for figure in report.figures:
-        table.add_row(figure.name, _value(figure.predicted, figure.unit), _value(figure.simulated, figure.unit),
-                      _value(figure.measured, figure.unit), _error(error_pct(figure.predicted, figure.measured)),
-                      _error(error_pct(figure.simulated, figure.measured)))
-    out.append(table)
+    out.append(figures_table(report.figures))
 
     ranks = Table(title="per rank", title_justify="left", box=None, pad_edge=False)
     for column in ("rank", "pp dp cp tp", "memory predicted", "measured", "error", "own step measured", "error"):

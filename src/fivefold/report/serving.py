@@ -176,21 +176,12 @@ def serving_report(run_file: Path) -> ServingReport:
 
 def serving_renderables(report: ServingReport) -> list:
     """Rich renderables, as report/render.py's for a training run."""
-    from rich.table import Table
-
-    from fivefold.report.render import _error, _value
+    from fivefold.report.render import _value, figures_table
 
     out: list = [f"[bold]{report.run}[/bold]: serving, {report.layout}, {report.requests} requests; predicted for "
                  f"{report.cluster} by the cost model (steady state) and the simulator (the same requests "
                  f"replayed through the scheduler); measured: every request"]
-    table = Table(box=None, pad_edge=False)
-    for column in ("", "predicted", "simulated", "measured", "error", "sim. error"):
-        table.add_column(column, justify="left" if not column else "right")
-    for figure in report.figures:
-        table.add_row(figure.name, _value(figure.predicted, figure.unit), _value(figure.simulated, figure.unit),
-                      _value(figure.measured, figure.unit), _error(error_pct(figure.predicted, figure.measured)),
-                      _error(error_pct(figure.simulated, figure.measured)))
-    out.append(table)
+    out.append(figures_table(report.figures))
     if report.steps:
         s = report.steps
         out.append(f"measured steps: {s['count']:,}, median {_value(s['median_s'], 's')}, "

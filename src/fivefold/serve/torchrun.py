@@ -25,7 +25,7 @@ from fivefold.errors import require
 from fivefold.local import threads_per_worker
 from fivefold.serve.batch import StepBatch
 from fivefold.serve.source import ModelSource
-from fivefold.serve.workers import (START_TIMEOUT_S, RankModel, WorkerDied, WorkerPlace, join_stage_groups,
+from fivefold.serve.workers import (START_TIMEOUT_S, RankModel, WorkerDied, WorkerPlace, drain, join_stage_groups,
                                    one_line)
 from fivefold.spec.serve import ServeLayout
 
@@ -178,13 +178,7 @@ class TorchrunExecutor:
         return self.world.layout.tp if self.world.layout.pp > 1 else 1
 
     def poll(self, wait: float) -> list[tuple[int, int, torch.Tensor]]:
-        items = []
-        try:
-            items.append(self.results.get(timeout=wait))
-            while True:
-                items.append(self.results.get_nowait())
-        except queue.Empty:
-            pass
+        items = drain(self.results, wait)
         for item in items:
             if item[0] == "error":
                 raise self._failed(item[1], item[2])

@@ -144,6 +144,18 @@ def one_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+def drain(results, wait: float) -> list:
+    """Every message waiting on `results` (a queue), blocking up to `wait` s for the first."""
+    items = []
+    try:
+        items.append(results.get(timeout=wait))
+        while True:
+            items.append(results.get_nowait())
+    except queue.Empty:
+        pass
+    return items
+
+
 class WorkerPool:
     """tp x pp processes per replica; `submit` a StepBatch, `poll` the logits of finished steps."""
 
@@ -185,13 +197,7 @@ class WorkerPool:
     def _take(self, wait: float) -> list[tuple]:
         """Messages from the workers (blocking up to `wait` s for the first); raises WorkerDied on an error or a
         worker that is gone."""
-        items = []
-        try:
-            items.append(self.results.get(timeout=wait))
-            while True:
-                items.append(self.results.get_nowait())
-        except queue.Empty:
-            pass
+        items = drain(self.results, wait)
         errors = [f"worker replica {replica} rank {rank} failed: {message}"
                   for kind, replica, rank, message in items if kind == "error"]
         if errors or not items:
