@@ -5,7 +5,8 @@
 Grid search of (benchmark-clock GEMM fraction, k_overhead, kernel latency) minimising the mean |log error|
 over all 125 rows of OpenXLA's sm_90 BF16 matmul table, and of the FP8 fraction over DeepGEMM's table with
 the same latency and FP8_K_FACTOR x k_overhead; the results are what cost/compute.py and cost/kernels.py
-hold. Sources: bench/reference/README.md.
+hold. Then scores them, unfitted, on OpenXLA's 2025 sm_90 run (BF16 and FP8 columns; why its FP8 column is
+not fitted: cost/kernels.py). Sources: bench/reference/README.md.
 """
 
 from __future__ import annotations
@@ -61,7 +62,32 @@ def main() -> int:
                 for f in range(60, 90, 2))
     print(f"FP8 (DeepGEMM, {len(fp8)} rows, same k_overhead x1.5 and latency): mean |log error| {best8[0]:.3f} "
           f"at fraction {best8[1]}")
+    check_openxla_2025(best, best8[1])
     return 0
+
+
+def check_openxla_2025(bf16_fit: tuple, fp8_fraction: float) -> None:
+    """Score the fitted parameters on OpenXLA's 2025 sm_90 run (BF16 and FP8 columns); nothing is fitted here."""
+    table = rows("xla_h100_gemm_2025.csv")
+    device = with_profile("bf16", bf16_fit[1], bf16_fit[2], bf16_fit[3] * 1e-6)
+    for batch in ("1", "2", "4"):
+        bf16 = [dict(row, tflops=row["bf16_tflops"], groups=batch) for row in table if row["batch"] == batch]
+        print(f"BF16 (OpenXLA 2025 sm_90, batch {batch}, {len(bf16)} rows, not fitted): mean |log error| "
+              f"{score(device, bf16, False):.3f}")
+    # An FP8 GEMM does at most 2x a BF16 one's work per clock: rows past that are not whole-GEMM timings.
+    fp8 = [dict(row, tflops=row["fp8_tflops"], groups=row["batch"]) for row in table]
+    bounded = [row for row in fp8 if float(row["fp8_tflops"]) <= 2 * float(row["bf16_tflops"])]
+    device8 = with_profile("fp8", fp8_fraction, bf16_fit[2], bf16_fit[3] * 1e-6)
+    print(f"FP8 (OpenXLA 2025 sm_90, not fitted): {len(fp8) - len(bounded)} of {len(fp8)} rows above 2x "
+          f"their BF16 rate; on the other {len(bounded)} the DeepGEMM-fitted curve has mean |log error| "
+          f"{score(device8, bounded, True):.3f}")
+    for low, high in ((0, 1e9), (1e9, 1e12)):
+        band = [row for row in bounded
+                if low <= 2 * int(row["batch"]) * int(row["m"]) * int(row["n"]) * int(row["k"]) < high]
+        ratios = [gemm_tflops(device8, int(r["m"]), int(r["n"]), int(r["k"]), int(r["batch"]), True)
+                  / float(r["tflops"]) for r in band]
+        print(f"  {low:.0e}-{high:.0e} FLOP: {len(band)} rows, model / table median {statistics.median(ratios):.2f}"
+              f", quartiles {statistics.quantiles(ratios, n=4)[0]:.2f}-{statistics.quantiles(ratios, n=4)[2]:.2f}")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,9 @@ class ComputeProfile:
 
 
 PROFILES: dict[str, ComputeProfile] = {
+    # Ampere's k_overhead (96) and latency (4 us) are generation estimates: no published per-shape A100 GEMM
+    # table was found (OpenXLA's matmul tables have sm_90 and sm_100 keys only; cost/kernels.py), so only the
+    # end-to-end A100 rows (vTrain, Korthikanti) check them.
     "A100-40GB": ComputeProfile(108, 0.80, 0.70, 0.55, 0.80, 4e-6, 96.0),
     "A100-80GB": ComputeProfile(108, 0.80, 0.70, 0.55, 0.80, 4e-6, 96.0),
     # Hopper and Blackwell tensor cores do 2-4x more work per SM clock than Ampere, so the fixed cycles
@@ -65,8 +68,9 @@ PROFILES: dict[str, ComputeProfile] = {
     # reach 60-75% (Shah et al. 2024, FlashAttention-3, Fig. 5-6); the attention figures above are the
     # latter's, so FA2 (PyTorch SDPA's flash backend) runs at ~0.75 of them on Hopper.
     # Hopper's k_overhead (256) and kernel latency (5 us) reproduce OpenXLA's measured cuBLAS table and
-    # DeepGEMM's FP8 tables (cost/kernels.py, tests/test_cost_kernels.py); gemm_fraction is the level a
-    # training step sustains (end-to-end development set), below the table's boost-clock level.
+    # DeepGEMM's FP8 tables, and OpenXLA's 2025 sm_90 run at batch 1-4 without refitting (cost/kernels.py,
+    # tests/test_cost_kernels.py); gemm_fraction is the level a training step sustains (end-to-end
+    # development set), below the table's boost-clock level.
     "H100-SXM": ComputeProfile(132, 0.68, 0.70, 0.55, 0.80, 5e-6, 256.0, 0.60, 0.75),
     "H100-PCIe": ComputeProfile(114, 0.68, 0.70, 0.55, 0.80, 5e-6, 256.0, 0.60, 0.75),
     # At a 500 W cap the tensor cores run at lower clocks under dense GEMM load: ~550 TFLOP/s sustained in

@@ -14,6 +14,21 @@ a training row, and tests/test_cost_kernels.py reproduces every row of those tab
 - fused attention on H100 SXM: FlashAttention-3 (Shah et al. 2024, Fig. 5) forward speeds at sequence length
   16k by head dimension and causality: bench/reference/flash_attention_h100.csv.
 
+OpenXLA's 2025 table (xla/backends/gpu/cost_model/matmul_interpolator_data.h: keys "sm_100" and "sm_90" only,
+batch 1/2/4, bf16, f32 and three FP8 pairs; bench/reference/xla_h100_gemm_2025.csv) is a second sm_90 run.
+Its BF16 column, 375 rows, is reproduced by the parameters fitted above without refitting: mean |log error|
+0.045 / 0.041 / 0.059 at batch 1 / 2 / 4 (the older table: 0.047), so batched GEMMs, whose tiles share the
+waves as grouped ones do here, follow the same shape terms. (The grid optimum on all 500 BF16 rows is
+k_overhead 192 at fraction 0.90, 0.046 against today's 0.048, and fits DeepGEMM's FP8 rows worse, 0.135
+against 0.130: kept.) Its FP8 column (e4m3 x e4m3 -> bf16, a dot with no scaling ops, lowered by XLA) is not fitted: 86 of 375 rows
+run at more than twice the same shape's BF16 rate (the FP8 tensor-core rate per clock is 2x BF16's), 29 pass
+the 1979 TFLOP/s FP8 dense peak (2593 at 4 x 4096^3), and it is not monotone (256x1024x256 takes 8.5 us,
+256x1024x512 5.6 us), so those are not whole-GEMM times. On its 289 other rows the DeepGEMM-fitted FP8 curve
+is at a median 1.45x the table below 1 GFLOP (where XLA's FP8 GEMMs run slower than its BF16 ones) and 0.86x
+above (quartiles 0.76-0.94); bench/fit_kernels.py prints these.
+There is no "sm_80" key and no other published per-shape A100 table was found, so A100's shape parameters
+(cost/compute.py) are the generation's estimates, checked only end to end (vTrain's and Korthikanti's rows).
+
 A kernel table is measured at boost clocks on an idle GPU for microseconds; a training step runs every GEMM
 under the power limit. So the level (the sustained fraction of peak, `ComputeProfile.gemm_fraction`) stays a
 device constant calibrated on the end-to-end development set, and the table fixes the *shape* of the curve:
