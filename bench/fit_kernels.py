@@ -6,7 +6,8 @@ Grid search of (benchmark-clock GEMM fraction, k_overhead, kernel latency) minim
 over all 125 rows of OpenXLA's sm_90 BF16 matmul table, and of the FP8 fraction over DeepGEMM's table with
 the same latency and FP8_K_FACTOR x k_overhead; the results are what cost/compute.py and cost/kernels.py
 hold. Then scores them, unfitted, on OpenXLA's 2025 sm_90 run (BF16 and FP8 columns; why its FP8 column is
-not fitted: cost/kernels.py). Sources: bench/reference/README.md.
+not fitted: cost/kernels.py), and prints the B200 profile's shape parameters against the same file's sm_100
+rows next to the grid optimum there (the B200 profile is not changed). Sources: bench/reference/README.md.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from fivefold.cost.kernels import benchmark_device, gemm_tflops  # noqa: E402
+from fivefold.cost.compute import PROFILES, Device  # noqa: E402
+from fivefold.cost.kernels import gemm_tflops  # noqa: E402
 from fivefold.spec.devices import CATALOG  # noqa: E402
 
 REFERENCE = ROOT / "bench" / "reference"
@@ -40,12 +42,13 @@ def score(device, table: list[dict], fp8: bool) -> float:
     return statistics.fmean(errors)
 
 
-def with_profile(dtype: str, fraction: float, k_overhead: float, latency: float):
-    device = benchmark_device(CATALOG["H100-SXM"], dtype)
+def with_profile(dtype: str, fraction: float, k_overhead: float, latency: float, name: str = "H100-SXM"):
+    """The catalog device `name` with these shape parameters, at `fraction` of its peak for large GEMMs."""
+    device = Device(CATALOG[name], dtype)
     device.profile = replace(device.profile, k_overhead=k_overhead, kernel_latency=latency)
     device.latency = latency
     if dtype == "fp8":
-        device.fp8_gemm_peak = CATALOG["H100-SXM"].flops("fp8") * fraction
+        device.fp8_gemm_peak = CATALOG[name].flops("fp8") * fraction
     else:
         device.gemm_peak = device.peak * fraction
     return device
@@ -63,7 +66,27 @@ def main() -> int:
     print(f"FP8 (DeepGEMM, {len(fp8)} rows, same k_overhead x1.5 and latency): mean |log error| {best8[0]:.3f} "
           f"at fraction {best8[1]}")
     check_openxla_2025(best, best8[1])
+    check_openxla_b200()
     return 0
+
+
+def check_openxla_b200() -> None:
+    """B200 (OpenXLA's sm_100 rows): the catalog profile's shape parameters against the grid optimum. Printed
+    for the record; the B200 profile is not changed here (cost/kernels.py)."""
+    table = rows("xla_b200_gemm_2025.csv")
+    bf16 = [dict(row, tflops=row["bf16_tflops"]) for row in table]
+    fp8 = [dict(row, tflops=row["fp8_tflops"]) for row in table]
+    profile = PROFILES["B200"]
+    for label, k_overhead, latency in (("catalog", profile.k_overhead, profile.kernel_latency * 1e6),
+                                       ("grid optimum", None, None)):
+        grid = [(f / 100, kover, lat) for f in range(60, 96, 2) for kover in (128, 192, 256, 384, 512)
+                for lat in (3, 4, 5, 6, 7) if k_overhead is None or (kover, lat) == (k_overhead, latency)]
+        err, frac, kover, lat = min((score(with_profile("bf16", f, ko, la * 1e-6, "B200"), bf16, False), f, ko, la)
+                                    for f, ko, la in grid)
+        err8, frac8 = min((score(with_profile("fp8", f / 100, kover, lat * 1e-6, "B200"), fp8, True), f / 100)
+                          for f in range(40, 96, 2))
+        print(f"B200 (OpenXLA 2025 sm_100, {len(table)} rows), {label}: k_overhead {kover:g}, latency {lat:g} us: "
+              f"BF16 mean |log error| {err:.3f} at fraction {frac}; FP8 {err8:.3f} at fraction {frac8}")
 
 
 def check_openxla_2025(bf16_fit: tuple, fp8_fraction: float) -> None:
