@@ -23,9 +23,9 @@ k_overhead 192 at fraction 0.90, 0.046 against today's 0.048, and fits DeepGEMM'
 against 0.130: kept.) Its FP8 column (e4m3 x e4m3 -> bf16, a dot with no scaling ops, lowered by XLA) is
 not fitted: 86 of 375 rows run at more than twice the same shape's BF16 rate (the FP8 tensor-core rate per
 clock is 2x BF16's), 29 pass the 1979 TFLOP/s FP8 dense peak (2593 at 4 x 4096^3), and it is not monotone
-(256x1024x256 takes 8.5 us, 256x1024x512 5.6 us), so those are not whole-GEMM times. On its 289 other rows the DeepGEMM-fitted FP8 curve
-is at a median 1.45x the table below 1 GFLOP (where XLA's FP8 GEMMs run slower than its BF16 ones) and 0.86x
-above (quartiles 0.76-0.94); bench/fit_kernels.py prints these.
+(256x1024x256 takes 8.5 us, 256x1024x512 5.6 us), so those are not whole-GEMM times. On its 289 other rows
+the DeepGEMM-fitted FP8 curve is at a median 1.45x the table below 1 GFLOP (where XLA's FP8 GEMMs run slower
+than its BF16 ones) and 0.86x above (quartiles 0.76-0.94); bench/fit_kernels.py prints these.
 There is no "sm_80" key and no other published per-shape A100 table was found, so A100's shape parameters
 (cost/compute.py) are the generation's estimates, checked only end to end (vTrain's and Korthikanti's rows).
 The file's "sm_100" rows (B200, bench/reference/xla_b200_gemm_2025.csv) are not used: the catalog B200
