@@ -90,3 +90,33 @@ def test_without_a_serving_profile_the_fitted_step_host_time_stays():
     assert step.host_s == STEP_HOST_S and step.stage_host_s == 0.0
     old_profile = _replica(1, 1, False, host=HostCosts(op_forward=5e-6))
     assert old_profile.step(8, 8, 800).host_s == STEP_HOST_S
+
+
+def test_the_profile_times_decode_gemms_with_their_weights_out_of_cache():
+    """On a CPU the decode shapes rotate over distinct weights filling DECODE_WORKING_SET; a GPU leaves them out."""
+    import torch
+
+    from fivefold.profile.kernels import DECODE_SHAPES, DECODE_WORKING_SET, _gemm_work, gemm_shapes
+
+    assert set(DECODE_SHAPES) <= set(gemm_shapes(True)) and not set(DECODE_SHAPES) & set(gemm_shapes(True, cpu=False))
+    m, n, k = DECODE_SHAPES[0]
+    work, calls = _gemm_work(m, n, k, torch.float32, torch.device("cpu"))
+    assert calls * n * k * 4 >= DECODE_WORKING_SET
+    outputs = work()
+    assert len(outputs) == calls and outputs[0].shape == (m, n)
+    assert _gemm_work(64, 64, 64, torch.float32, torch.device("cpu"))[1] == 1
+
+
+def test_a_decode_gemm_takes_the_measured_rate_of_its_intensity():
+    """A 1-row GEMM's intensity (~0.5 FLOP/byte in fp32) is the decode point's: its time is its FLOPs at the
+    rate measured there, not at the smallest square's."""
+    decode_rate, square_rate = 4e9, 1.3e10
+    calibration = Calibration(gemm=((1, 512, 512, "fp32", decode_rate), (32, 32, 32, "fp32", square_rate)),
+                              host=HOST, processes=1, threads=1)
+    replica = ReplicaCost(PRESETS["tiny"], device_named("cpu"), 1, 1, "fp32", "fp32", 1, SELF, SELF,
+                          calibration=calibration)
+    h = PRESETS["tiny"].hidden
+    from fivefold.cost.serving import skinny_gemm_time
+
+    assert skinny_gemm_time(replica.device, 1, 512, 512) == pytest.approx(2 * 512 * 512 / decode_rate)
+    assert skinny_gemm_time(replica.device, 1, h, h) == pytest.approx(2 * h * h / decode_rate, rel=0.02)

@@ -1,4 +1,17 @@
-"""Single-device measurements: GEMM throughput over shapes and dtypes, and memory bandwidth."""
+"""Single-device measurements: GEMM throughput over shapes and dtypes, and memory bandwidth.
+
+Decode GEMMs (a few rows against a weight matrix: every step of `fivefold serve`) stream their weights from memory
+once per step: between two uses of a weight the rest of the model, the KV cache and the engine's Python have run,
+and on this machine's 2-core VM the last-level cache is shared with the neighbours. Timing such a GEMM back to back
+on one matrix keeps the weights in cache and measured 1x344x128 at 7 us where a served 4-layer model's step
+spends 18 us on it (torch profiler, 27 Nov 2026). So on a CPU the decode shapes are timed as a model runs them:
+F.linear over a rotation of distinct weight matrices filling DECODE_WORKING_SET bytes, beyond the last-level cache
+(32 MiB here), and each call pays its weights' trip from memory. The matrices are 512 x 512 (1 MiB in fp32), a
+layer's matrix of the small models a CPU serves: here a 1 x 1024 x 1024 decode GEMM streams at 6.4 GFLOP/s and
+a 1 x 512 x 512 one at 4.3, against the served 4-layer model's ~4.2 (its GEMMs' time over their FLOPs, torch
+profiler). A GPU profile leaves them out: a GPU serves large models, whose decode GEMMs cost/serving.py prices
+by the memory roofline, and there a 512-wide GEMV would only time a kernel launch.
+"""
 
 from __future__ import annotations
 
@@ -56,14 +69,34 @@ def median_seconds(work: Callable[[], object], device: torch.device, repeats: in
     return samples[len(samples) // 2]
 
 
-def gemm_shapes(quick: bool) -> list[tuple[int, int, int]]:
-    """Square GEMMs of growing size plus the skinny shapes of a transformer layer (tokens x h x 4h). The
-    smallest squares give the rate of the small models' GEMMs (hidden 64-256), where the per-call cost
-    shows."""
+# Decode GEMMs with their weights in memory, not in cache (module docstring): 1 and 4 rows, the decode steps of
+# one and a few requests; their arithmetic intensity (0.5-2 FLOP/byte in fp32) is below every other shape's, so
+# they set the measured curve's low end without moving the rates of the training shapes.
+DECODE_SHAPES = ((1, 512, 512), (4, 512, 512))
+DECODE_WORKING_SET = 64 * 2**20
+
+
+def gemm_shapes(quick: bool, cpu: bool = True) -> list[tuple[int, int, int]]:
+    """Square GEMMs of growing size plus the skinny shapes of a transformer layer (tokens x h x 4h) and, on a
+    CPU, the decode shapes. The smallest squares give the rate of the small models' GEMMs (hidden 64-256), where
+    the per-call cost shows."""
     squares = [32, 64, 128, 256, 512, 1024] if quick else [32, 64, 128, 256, 512, 1024, 2048, 4096]
     skinny = [(256, 1024, 256), (1024, 256, 1024)] if quick else [(512, 4096, 1024), (4096, 1024, 4096),
                                                                   (2048, 2048, 8192)]
-    return [(s, s, s) for s in squares] + skinny
+    return [(s, s, s) for s in squares] + skinny + (list(DECODE_SHAPES) if cpu else [])
+
+
+def _gemm_work(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> tuple[Callable[[], object], int]:
+    """(work, GEMMs it runs): one matrix product, or for a decode shape F.linear over a rotation of weights
+    filling DECODE_WORKING_SET (module docstring)."""
+    if (m, n, k) not in DECODE_SHAPES:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        return (lambda: torch.mm(a, b)), 1
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    count = max(2, -(-DECODE_WORKING_SET // (n * k * x.element_size())))
+    weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(count)]
+    return (lambda: [torch.nn.functional.linear(x, w) for w in weights]), count
 
 
 def measure_gemm(device: torch.device, dtypes: list[str], quick: bool,
@@ -77,13 +110,12 @@ def measure_gemm(device: torch.device, dtypes: list[str], quick: bool,
     the machine than the ranks of a training step get on average."""
     points = []
     for dtype in dtypes:
-        for m, n, k in gemm_shapes(quick):
+        for m, n, k in gemm_shapes(quick, device.type == "cpu"):
             line_up()
-            a = torch.randn(m, k, device=device, dtype=DTYPES[dtype])
-            b = torch.randn(k, n, device=device, dtype=DTYPES[dtype])
-            seconds = median_seconds(lambda: torch.mm(a, b), device, repeats=3 if quick else 5,
-                                     min_seconds=0.02 if quick else 0.1, agree=agree, before_sample=line_up,
-                                     after_sample=line_up)
+            work, calls = _gemm_work(m, n, k, DTYPES[dtype], device)
+            seconds = median_seconds(work, device, repeats=3 if quick else 5, min_seconds=0.02 if quick else 0.1,
+                                     agree=agree, before_sample=line_up, after_sample=line_up) / calls
+            del work
             point = GemmPoint(m, n, k, dtype, seconds, 2 * m * n * k / seconds)
             points.append(point)
             if on_point:

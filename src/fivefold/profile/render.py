@@ -57,7 +57,7 @@ def profile_steps(nproc: int, quick: bool, gpu: bool) -> int:
     from fivefold.profile.collectives import COLLECTIVES, PAIR_COLLECTIVES, measures_pairs, message_sizes
     from fivefold.profile.kernels import gemm_shapes
 
-    total = (3 if gpu else 2) * len(gemm_shapes(quick)) + 1
+    total = (3 if gpu else 2) * len(gemm_shapes(quick, cpu=not gpu)) + 1
     if nproc > 1:
         total += len(COLLECTIVES) * len(message_sizes(quick))
     if measures_pairs(nproc):
