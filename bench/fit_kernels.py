@@ -7,7 +7,7 @@ over all 125 rows of OpenXLA's sm_90 BF16 matmul table, and of the FP8 fraction 
 the same latency and FP8_K_FACTOR x k_overhead; the results are what cost/compute.py and cost/kernels.py
 hold. Then scores them, unfitted, on OpenXLA's 2025 sm_90 run (BF16 and FP8 columns; why its FP8 column is
 not fitted: cost/kernels.py), and prints the B200 profile's shape parameters against the same file's sm_100
-rows next to the grid optimum there (the B200 profile is not changed). Sources: bench/reference/README.md.
+rows next to the grid optimum there (the B200 profile takes the optimum). Sources: bench/reference/README.md.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def main() -> int:
 
 def check_openxla_b200() -> None:
     """B200 (OpenXLA's sm_100 rows): the catalog profile's shape parameters against the grid optimum. Printed
-    for the record; the B200 profile is not changed here (cost/kernels.py)."""
+    for the record; the B200 profile holds the optimum (cost/kernels.py)."""
     table = rows("xla_b200_gemm_2025.csv")
     bf16 = [dict(row, tflops=row["bf16_tflops"]) for row in table]
     fp8 = [dict(row, tflops=row["fp8_tflops"]) for row in table]

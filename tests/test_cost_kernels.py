@@ -4,6 +4,7 @@ sources in bench/reference/README.md)."""
 from __future__ import annotations
 
 import csv
+import math
 import statistics
 from pathlib import Path
 
@@ -100,3 +101,15 @@ def test_training_keeps_a_sustained_share_of_the_benchmark_rate() -> None:
     trained, bench = Device(H100, "bf16"), benchmark_device(H100, "bf16")
     assert gemm_tflops(trained, 8192, 8192, 8192) / gemm_tflops(bench, 8192, 8192, 8192) == \
         __import__("pytest").approx(clock, rel=0.01)
+
+
+def test_b200_gemms_reproduce_openxla_sm100_table() -> None:
+    """B200's shape terms (cost/compute.py) from OpenXLA's 2025 sm_100 rows, BF16 and FP8, at batch 1."""
+    b200 = CATALOG["B200"]
+    rows = _rows("xla_b200_gemm_2025.csv")
+    assert len(rows) == 125
+    for dtype, column, fp8, bound in (("bf16", "bf16_tflops", False, 0.06), ("fp8", "fp8_tflops", True, 0.09)):
+        device = benchmark_device(b200, dtype)
+        errors = [math.log(gemm_tflops(device, int(r["m"]), int(r["n"]), int(r["k"]), fp8=fp8) / float(r[column]))
+                  for r in rows]
+        assert statistics.fmean(abs(e) for e in errors) < bound, dtype

@@ -28,9 +28,10 @@ the DeepGEMM-fitted FP8 curve is at a median 1.45x the table below 1 GFLOP (wher
 than its BF16 ones) and 0.86x above (quartiles 0.76-0.94); bench/fit_kernels.py prints these.
 There is no "sm_80" key and no other published per-shape A100 table was found, so A100's shape parameters
 (cost/compute.py) are the generation's estimates, checked only end to end (vTrain's and Korthikanti's rows).
-The file's "sm_100" rows (B200, bench/reference/xla_b200_gemm_2025.csv) are not used: the catalog B200
-profile (k_overhead 384, 4 us) meets them at mean |log error| 0.121 (BF16) / 0.158 (FP8), Hopper's 256 and
-5 us at 0.053 / 0.080; bench/fit_kernels.py prints both, and the B200 profile is left as it is.
+The file's "sm_100" rows (B200, bench/reference/xla_b200_gemm_2025.csv, 125 shapes) set B200's shape terms:
+the earlier unsourced profile (k_overhead 384, 4 us) met them at mean |log error| 0.121 (BF16) / 0.158 (FP8);
+the grid optimum is Hopper's 256 and 5 us, at 0.053 / 0.080 (benchmark fractions 0.78 BF16, 0.70 FP8), now
+the B200 profile's (bench/fit_kernels.py prints both; tests/test_cost_kernels.py reproduces the rows).
 
 A kernel table is measured at boost clocks on an idle GPU for microseconds; a training step runs every GEMM
 under the power limit. So the level (the sustained fraction of peak, `ComputeProfile.gemm_fraction`) stays a
@@ -67,6 +68,7 @@ class BenchmarkClocks:
 # the fitted k_overhead and latency are the ones in cost/compute.py's H100 profiles).
 BENCHMARK_CLOCKS: dict[str, BenchmarkClocks] = {
     "H100-SXM": BenchmarkClocks(0.92, 0.74, "OpenXLA sm_90 matmul table (BF16); DeepGEMM README (FP8, H800)"),
+    "B200": BenchmarkClocks(0.78, 0.70, "OpenXLA 2025 sm_100 matmul table (BF16 and FP8 columns)"),
 }
 
 
