@@ -8,8 +8,8 @@ RUN/requests.jsonl` and `serve --metrics-file RUN/requests.jsonl` leave in RUN.
   prediction made for them (report/serving.predict_trace). `serve` does not: its workload and prediction are null
   and `fivefold report` replays the requests it recorded, at their arrivals, through the same predict_trace;
 - RUN/requests.jsonl: one line per finished request: arrival_s, prompt_tokens, output_tokens, ttft_s, tpot_s,
-  total_s, preemptions, finish_reason, replica (times since the first arrival for generate, since the server
-  was ready for serve);
+  total_s, preemptions, finish_reason, replica (times since the first arrival for generate, since the engine
+  was built for serve);
 - RUN/steps.jsonl: one line per model step: replica, step number, submitted_s / done_s (same clock), requests,
   tokens, decodes, prefill_chunks, and the replica's KV blocks in use, running and waiting requests when it was
   submitted.
