@@ -117,3 +117,22 @@ def test_bad_trace_flags_are_one_line_and_exit_2(served, tmp_path, capsys, flags
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err, err
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_replay_of_the_recorded_requests_predicts_what_generate_predicted_at_launch(served, tmp_path, capsys):
+    """The same run read as a served one (no prediction recorded): the report replays requests.jsonl through the
+    function generate used at launch, so the figures agree (up to the arrivals' round trip through the clock)."""
+    run, _, _ = served
+    copy = tmp_path / "run"
+    copy.mkdir()
+    for name in ("requests.jsonl", "steps.jsonl"):
+        (copy / name).write_text((run / name).read_text())
+    recorded = json.loads((run / "serve_run.json").read_text())
+    (copy / "serve_run.json").write_text(json.dumps({**recorded, "verb": "serve", "workload": None,
+                                                     "prediction": None}))
+    launched, replayed = report_json(run, capsys), report_json(copy, capsys)
+    assert launched["verb"] == "generate" and replayed["verb"] == "serve"
+    for key in ("ttft_mean_s", "ttft_p90_s", "tpot_mean_s", "tpot_p90_s", "output_tokens_per_s"):
+        for source in ("predicted", "simulated"):
+            assert replayed[key][source] == pytest.approx(launched[key][source], rel=1e-6), (key, source)
+        assert replayed[key]["measured"] == launched[key]["measured"]

@@ -71,8 +71,10 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    running = Server(model[1], tmp_path_factory.mktemp("log") / "server.log", "--max-batch", "4",
-                     "--max-queue", "16", "--kv-blocks", "64")
+    logs = tmp_path_factory.mktemp("log")
+    running = Server(model[1], logs / "server.log", "--max-batch", "4", "--max-queue", "16", "--kv-blocks", "64",
+                     "--metrics-file", str(logs / "run" / "requests.jsonl"))
+    running.run = logs / "run"
     yield running
     running.stop()
 
@@ -178,6 +180,8 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(server):
     stream = client.completions.create(model="llama", prompt=[5, 6], max_tokens=40, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     pieces = [next(iter(stream))]
+    finished = sum(value for name, value in server.metrics().items()
+                   if name.startswith("fivefold_requests_finished_total"))
     server.process.send_signal(signal.SIGTERM)
     pieces += list(stream)
     assert pieces[-1].choices[0].finish_reason in ("length", "stop")
@@ -185,6 +189,13 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(server):
     assert server.process.wait(timeout=60) == 0
     with pytest.raises(httpx.HTTPError):
         httpx.get(server.url + "/health", timeout=5)
+    # --metrics-file: every request that finished, the one drained after SIGTERM last; closed at the shutdown.
+    lines = [json.loads(line) for line in (server.run / "requests.jsonl").read_text().splitlines()]
+    assert len(lines) == finished + 1 and lines[-1]["output_tokens"] == pieces[-1].usage.completion_tokens
+    assert json.loads((server.run / "serve_run.json").read_text())["cpu_share"]["engine"] > 0
+    from fivefold.cli import main
+
+    assert main(["report", str(server.run), "--json"]) == 0
 
 
 def test_a_dead_worker_fails_pending_requests_with_503_and_the_server_exits(model, tmp_path):

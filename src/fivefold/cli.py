@@ -241,7 +241,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from fivefold.report import report_run
     from fivefold.report.serving import serving_run_file
 
-    if serving_run_file(args.run) is not None:  # a serving run (generate --metrics-file)
+    if serving_run_file(args.run) is not None:  # a serving run (generate or serve --metrics-file)
         from fivefold.serving_cli import cmd_report_serve
 
         return cmd_report_serve(args, console, print_json)

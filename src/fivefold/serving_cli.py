@@ -274,7 +274,8 @@ def cmd_plan_serve(args: argparse.Namespace, console: Callable[[], Any], print_j
 
 
 def cmd_report_serve(args: argparse.Namespace, console: Callable[[], Any], print_json: Callable[[Any], None]) -> int:
-    """`fivefold report RUN` on a serving run folder (generate --metrics-file): predicted against measured."""
+    """`fivefold report RUN` on a serving run folder (generate or serve --metrics-file): predicted against
+    measured."""
     from fivefold.report.serving import serving_renderables, serving_report, serving_run_file
 
     served = serving_report(serving_run_file(args.run))

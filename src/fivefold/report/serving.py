@@ -1,7 +1,9 @@
-"""`fivefold report RUN` for a serving run: what `generate --metrics-file RUN/requests.jsonl` recorded
-(serve/record.py) next to the prediction made for it at launch: the cost model's steady state
-(cost/serving_estimate.py: means and p90) and the simulator's replay of the same requests through the same
-scheduler (sim/serving.py: every percentile). Percentiles are taken as the simulator takes them (the value at
+"""`fivefold report RUN` for a serving run: what `generate --metrics-file RUN/requests.jsonl` or `serve
+--metrics-file RUN/requests.jsonl` recorded (serve/record.py) next to the prediction for the same requests: the
+cost model's steady state (cost/serving_estimate.py: means and p90) and the simulator's replay of the requests
+through the same scheduler (sim/serving.py: every percentile), both made by predict_trace. generate made it at
+launch; a server's traffic is known only afterwards, so the report makes it now from the requests the server
+recorded, at their recorded arrivals and lengths. Percentiles are taken as the simulator takes them (the value at
 index int(q x n) of the sorted values), TPOT over the requests with more than one output token.
 
 A folder is a serving run when it holds serve_run.json (or the file named is a requests file beside one). A
@@ -14,10 +16,14 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fivefold.errors import SpecError
+from fivefold.errors import SpecError, require
 from fivefold.report.compare import Figure, error_pct
 from fivefold.report.load import read_jsonl
+from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.jsonfields import Fields
+from fivefold.spec.model import ModelSpec
+from fivefold.spec.serve import ServeLayout
+from fivefold.spec.workload import Request
 
 RUN_FILE = "serve_run.json"  # serve/record.py writes it (that module imports torch-free, but lives in serve/)
 STEPS_FILE = "steps.jsonl"
@@ -43,9 +49,10 @@ class ServingReport:
     steps: dict  # measured steps: count, median seconds, mean requests and tokens, KV blocks in use at most
     cpu_share: dict  # of a core while runnable: the profile's probe, the run's engine and workers (local.CpuShare)
     notes: list[str] = field(default_factory=list)
+    verb: str = "generate"  # which verb recorded the run (serve: the prediction is made by the report)
 
     def to_dict(self) -> dict:
-        return {"run": self.run, "kind": "serving", "layout": self.layout, "cluster": self.cluster,
+        return {"run": self.run, "kind": "serving", "verb": self.verb, "layout": self.layout, "cluster": self.cluster,
                 "requests": self.requests, **{f.key: f.to_dict() for f in self.figures}, "steps": self.steps,
                 "cpu_share": self.cpu_share, "notes": self.notes}
 
@@ -56,7 +63,7 @@ def _read_lines(path: Path, what: str, required: tuple[str, ...]) -> list[dict]:
         missing = [name for name in required if name not in row]
         if missing:
             raise SpecError(f"{path}:{number}", ",".join(missing),
-                            f"missing; the report reads the {what} `fivefold generate --metrics-file` writes")
+                            f"missing; the report reads the {what} `fivefold generate/serve --metrics-file` writes")
         fields = Fields(row, f"{path}:{number}")
         for name in required:
             if row[name] is not None:  # a 1-token request has no TPOT, an unfinished one no time
@@ -69,9 +76,10 @@ def load_serving_run(run_file: Path) -> tuple[dict, list[dict], list[dict]]:
     try:
         run = json.loads(run_file.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise SpecError(str(run_file), "unreadable", f"not the JSON `fivefold generate --metrics-file` writes "
-                        f"({exc})") from None
-    if not isinstance(run, dict) or not isinstance(run.get("prediction"), dict) or "layout" not in run:
+        raise SpecError(str(run_file), "unreadable", f"not the JSON `fivefold generate/serve --metrics-file` "
+                        f"writes ({exc})") from None
+    served = isinstance(run, dict) and run.get("verb") == "serve"  # predicted by this report (replay_served)
+    if not isinstance(run, dict) or "layout" not in run or not (served or isinstance(run.get("prediction"), dict)):
         raise SpecError(str(run_file), "prediction/layout", "missing; rerun `fivefold generate --metrics-file`")
     folder = run_file.parent
     requests_path = folder / str(run.get("requests_file", "requests.jsonl"))
@@ -83,6 +91,58 @@ def load_serving_run(run_file: Path) -> tuple[dict, list[dict], list[dict]]:
     steps_path = folder / STEPS_FILE
     steps = _read_lines(steps_path, "steps file", STEP_FIELDS) if steps_path.is_file() else []
     return run, requests, steps
+
+
+def predict_trace(model: ModelSpec, cluster: ClusterSpec, layout: ServeLayout, trace: tuple[Request, ...],
+                  all_at_once: bool = False) -> dict:
+    """serve_run.json's workload and prediction for these requests on this layout and cluster: the cost model's
+    steady state and the simulator's replay through the scheduler. `all_at_once`: every request arrives at 0
+    (rate inf: generate --input, the offline case); else the trace's own arrivals."""
+    from fivefold.cost.deployment import place
+    from fivefold.cost.serving_estimate import estimate_serving
+    from fivefold.sim.serving import simulate_serving
+    from fivefold.spec.workload import Workload
+
+    workload = Workload(trace=trace, num_requests=len(trace), rate=float("inf") if all_at_once else None)
+    replicas = place(model, cluster, layout, kv_blocks=layout.limits.kv_blocks)
+    estimate = estimate_serving(replicas, layout.limits, workload, layout.pp)
+    simulated = simulate_serving(replicas, layout.limits, workload, layout.pp, record_steps=False)
+    return {"workload": workload.to_dict(),
+            "prediction": {"estimate": estimate.to_dict(), "simulated": simulated.to_dict()}}
+
+
+def replay_served(run_file: Path, run: dict, requests: list[dict]) -> tuple[dict, list[str]]:
+    """A server's prediction, made now (predict_trace): every recorded request that got a token, at its arrival
+    (the first at 0) with its prompt and output tokens, on the recorded model, cluster and layout; and notes
+    saying so."""
+    from fivefold.spec.cluster import cluster_from_dict
+    from fivefold.spec.model import model_from_dict
+    from fivefold.spec.serve import layout_from_dict
+
+    got = sorted((r for r in requests if r["output_tokens"] >= 1), key=lambda r: r["arrival_s"])
+    if not got:
+        raise SpecError("run", str(run_file.parent), "no recorded request got a token: nothing to predict")
+    for key in ("model", "cluster"):
+        require(isinstance(run.get(key), dict), f"{run_file}:{key}", run.get(key),
+                "missing; rerun `fivefold serve --metrics-file`")
+    try:
+        model = model_from_dict(run["model"])
+        cluster = cluster_from_dict(run["cluster"], "cluster")
+        layout = layout_from_dict(run["layout"])
+    except SpecError as exc:
+        raise SpecError(f"{run_file}:{exc.field}", exc.value, exc.fix) from None
+    first = got[0]["arrival_s"]
+    trace = tuple(Request(r["arrival_s"] - first, int(r["prompt_tokens"]), int(r["output_tokens"])) for r in got)
+    predicted = predict_trace(model, cluster, layout, trace)
+    notes = [f"a server's traffic is known only afterwards: predicted now for the {len(got)} requests it recorded, "
+             "at their recorded arrivals and with their prompt and output tokens"]
+    aborted = sum(1 for r in got if r.get("finish_reason") == "abort")
+    if aborted:
+        notes.append(f"{aborted} requests were aborted by their client; replayed with the tokens they got")
+    if len(got) < len(requests):
+        notes.append(f"{len(requests) - len(got)} requests ended without a token (aborted or failed) and are left "
+                     "out of the prediction")
+    return predicted, notes
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -144,6 +204,10 @@ def serving_report(run_file: Path) -> ServingReport:
     """Predicted (estimate), simulated (replay) and measured figures of a serving run."""
     run, requests, steps = load_serving_run(run_file)
     measured = measured_summary(requests)
+    notes = []
+    if run.get("verb") == "serve":
+        predicted, notes = replay_served(run_file, run, requests)
+        run = {**run, **predicted}
     estimate = run["prediction"].get("estimate") or {}
     simulated = run["prediction"].get("simulated") or {}
 
@@ -161,7 +225,6 @@ def serving_report(run_file: Path) -> ServingReport:
                           get(estimate, "output_tokens_per_s"), get(simulated, "output_tokens_per_s"),
                           measured["output_tokens_per_s"]))
     shares = _cpu_shares(run)
-    notes = []
     ran = [v for k, v in shares.items() if k != "profile" and v is not None]
     if ran and min(ran) < 0.9:
         notes.append(f"while runnable the run got {_shares_text(shares)} of a core: on a shared machine the "
@@ -171,7 +234,7 @@ def serving_report(run_file: Path) -> ServingReport:
     if unfinished:
         notes.append(f"{unfinished} requests did not finish; they count in TTFT only when they got a first token")
     return ServingReport(str(run_file.parent), _layout_label(run["layout"]), str(run.get("cluster_label", "?")),
-                         len(requests), figures, _step_summary(steps), shares, notes)
+                         len(requests), figures, _step_summary(steps), shares, notes, str(run.get("verb", "generate")))
 
 
 def serving_renderables(report: ServingReport) -> list:

@@ -1,6 +1,8 @@
 """The HTTP API (FastAPI): POST /v1/completions and /v1/chat/completions (whole or streamed as server-sent events),
 GET /v1/models, /health and /metrics. Each request becomes an engine Request whose tokens come back from the
-engine thread through an asyncio queue; a client that disconnects aborts its request, which frees its KV blocks."""
+engine thread through an asyncio queue; a client that disconnects aborts its request, which frees its KV blocks.
+The app's lifespan starts the engine thread and, at shutdown, stops it and closes the run record (--metrics-file:
+every finished request is written as it finishes, serve/record.RunWriter)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
@@ -41,8 +45,17 @@ class ServerState:
     metrics: ServeMetrics
     vocab: int
     worker_pids: list[int] = field(default_factory=list)
+    run_writer: Any = None  # serve/record.RunWriter with --metrics-file: each finished request, each step
     counter: itertools.count = field(default_factory=lambda: itertools.count(1))
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def shutdown(self) -> None:
+        """Stop the engine thread and close the run record: the lifespan's shutdown, and run_server's ending for
+        a server that never got that far (the second call does nothing)."""
+        if self.loop.thread.ident is not None:  # started
+            self.loop.stop()
+        if self.run_writer is not None:
+            self.run_writer.close()
 
 
 class Generation:
@@ -73,6 +86,8 @@ class Generation:
         self.aio_loop.call_soon_threadsafe(self.events.put_nowait, "token")
 
     def _on_finish(self, request: Request) -> None:
+        if self.state.run_writer is not None:
+            self.state.run_writer.request(request)
         self.aio_loop.call_soon_threadsafe(self.events.put_nowait, "finish")
 
     def text(self) -> str:
@@ -91,6 +106,7 @@ class Generation:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def start(self) -> None:
+        self.request.arrival = self.state.engine.clock()  # now, not when the engine thread takes it (its TTFT)
         try:
             self.state.loop.submit(self.request)
         except QueueFull as exc:
@@ -205,7 +221,15 @@ async def _whole(generation: Generation, http: HttpRequest, kind: str, model: st
 
 
 def make_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="fivefold serve")
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.loop.start()
+        try:
+            yield
+        finally:
+            state.shutdown()
+
+    app = FastAPI(title="fivefold serve", lifespan=lifespan)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: HttpRequest, exc: RequestValidationError) -> JSONResponse:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from fivefold.errors import SpecError, require
 from fivefold.serve.engine import Engine, Request, check_request
-from fivefold.serve.record import (StepRecorder, arrivals_queue, default_serve_cluster, predict_run, trace_prompts,
-                                   write_run)
+from fivefold.serve.record import (StepRecorder, arrivals_queue, check_record_flags, launch_record, predict_run,
+                                   trace_prompts, write_run)
 from fivefold.serve.sampling import SamplingParams
 from fivefold.serve.source import TextCodec
 
@@ -58,8 +58,7 @@ def check_generate_args(args: argparse.Namespace) -> None:
     trace = getattr(args, "trace", None)
     if bool(args.input) == bool(trace):
         raise SpecError("--input/--trace", args.input or trace, "give exactly one: a prompts file or a request trace")
-    require(getattr(args, "cluster", None) is None or getattr(args, "metrics_file", None) is not None, "--cluster",
-            getattr(args, "cluster", None), "is the cluster of the prediction --metrics-file records; add --metrics-file")
+    check_record_flags(args)
     from fivefold.serve.options import check_sampling
 
     check_sampling(args.temperature, args.top_p)
@@ -95,11 +94,8 @@ def run_generate(args: argparse.Namespace) -> dict | None:
             check_request(len(ids), count, source.spec.max_seq_len, probe)
         except SpecError as exc:
             raise SpecError(f"{args.input or args.trace}:{number}:{exc.field}", exc.value, exc.fix) from None
-    run = None
-    if getattr(args, "metrics_file", None):  # the layout and its prediction, checked before any worker starts
-        check_output_file(args.metrics_file, "--metrics-file", "RUN/requests.jsonl")
-        run = predict_run(source.spec, layout, args.cluster or default_serve_cluster(layout, args.device), prompts,
-                          max_tokens, arrivals)
+    launch = launch_record(args, source.spec, layout, "generate")  # checked before any worker starts
+    run = predict_run(source.spec, layout, launch, prompts, max_tokens, arrivals) if launch is not None else None
 
     from fivefold.runtime.metrics import Progress
 

@@ -51,12 +51,7 @@ def add_serve_verbs(verb: Callable[..., argparse.ArgumentParser], add_json_flag:
                    help="instead of --input: a request trace (CSV or JSONL: arrival_s, prompt_tokens, output_tokens, "
                         "as `estimate --serve --trace`); random prompts of those lengths arrive at those times and "
                         "generate exactly output_tokens each")
-    p.add_argument("--metrics-file", default=None, metavar="RUN/requests.jsonl",
-                   help="record the run for `fivefold report RUN`: per-request and per-step timings, the layout "
-                        "and the prediction made for it")
-    p.add_argument("--cluster", default=None, metavar="FILE",
-                   help="with --metrics-file: the cluster the prediction is made for (a `fivefold profile` file; "
-                        "default: the catalog's cpu or GPU)")
+    add_record_flags(p)
     p.add_argument("--output", required=True, help="JSON lines: completion_ids, text, finish_reason, timings")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt at most (default: 16)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
@@ -73,7 +68,19 @@ def add_serve_verbs(verb: Callable[..., argparse.ArgumentParser], add_json_flag:
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
     p.add_argument("--max-queue", type=int, default=1024,
                    help="requests waiting for a slot before new ones get HTTP 429 (default: 1024)")
+    add_record_flags(p)
     parsers["serve"] = p
+
+
+def add_record_flags(parser: argparse.ArgumentParser) -> None:
+    """--metrics-file and --cluster, the same in `generate` and `serve` (serve/record.py writes the run)."""
+    parser.add_argument("--metrics-file", default=None, metavar="RUN/requests.jsonl",
+                        help="record the run for `fivefold report RUN`: per-request and per-step timings, the layout "
+                             "and the cluster; the report compares them with the cost model's and the simulator's "
+                             "prediction for the same requests (serve: every request as it finishes)")
+    parser.add_argument("--cluster", default=None, metavar="FILE",
+                        help="with --metrics-file: the cluster the prediction is made for (a `fivefold profile` "
+                             "file; default: the catalog's cpu or GPU)")
 
 
 def repeated_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:

@@ -122,3 +122,19 @@ def kv_blocks_for_memory(memory_bytes: float, model: ModelSpec, tp: int, pp: int
             f"holds no KV block of {block_size} tokens ({per_block / 2**20:.2f} MiB per block on one device); "
             "give more memory")
     return blocks
+
+
+def layout_from_dict(data: object, where: str = "layout") -> ServeLayout:
+    """The ServeLayout that ServeLayout.to_dict wrote (a serving run's serve_run.json); SpecError naming the field."""
+    shape = "write the table ServeLayout.to_dict writes (tp, pp, replicas, ep, dtype, kv_dtype, limits)"
+    require(isinstance(data, dict), where, data, shape)
+    assert isinstance(data, dict)
+    limits = data.get("limits", {})
+    require(isinstance(limits, dict), f"{where}.limits", limits, shape)
+    known = {f.name for f in dataclasses.fields(ServeLayout)}
+    for table, names, here in ((data, known, where),
+                               (limits, {f.name for f in dataclasses.fields(BatchLimits)}, f"{where}.limits")):
+        unknown = sorted(set(table) - names)
+        require(not unknown, f"{here}.{unknown[0] if unknown else ''}", None,
+                f"unknown field; known: {', '.join(sorted(names))}")
+    return ServeLayout(**{**data, "limits": BatchLimits(**limits)})
