@@ -245,13 +245,18 @@ def _unstated_choices(row: dict) -> list[dict]:
 def megatron_moe_rows(path: Path) -> list[dict]:
     """Measured and predicted tokens/s per GPU of the Megatron-Core MoE rows (megatron-core stack); a row that
     a Plan cannot express, or that ran what the model does not cost (its note), has `predicted` None or
-    `modelled` False."""
+    `modelled` False. The MoE Parallel Folding paper's `mcore` baseline (method column) is Megatron-Core before
+    its token-level dispatcher: the paper's section 3.3 introduces that dispatcher and the sub-sequence dropping
+    it defaults to, against the full-sequence dropping that gathers the logits over the ranks of a sequence, and
+    its appendix 6.1 compares against Megatron-Core 0.9, whose all-to-all dispatcher is the sequence-level one
+    (`moe_sequence_dispatch`: cost/moe_block.py sequence_dispatch_copies)."""
     out = []
     stack = STACKS["megatron-core"]
     with open(path) as handle:
         for row in csv.DictReader(handle):
             measured = measured_tokens_per_s(row)
-            variant = replace(stack, moe_dispatch_per_node=row["dispatcher"] == "deepep")
+            variant = replace(stack, moe_dispatch_per_node=row["dispatcher"] == "deepep",
+                              moe_sequence_dispatch=row.get("method") == "mcore")
             best, error = None, None
             for choice in _unstated_choices(row):
                 try:
