@@ -256,7 +256,8 @@ def megatron_moe_rows(path: Path) -> list[dict]:
         for row in csv.DictReader(handle):
             measured = measured_tokens_per_s(row)
             variant = replace(stack, moe_dispatch_per_node=row["dispatcher"] == "deepep",
-                              moe_sequence_dispatch=row.get("method") == "mcore")
+                              moe_sequence_dispatch=row.get("method") == "mcore",
+                              moe_drops_tokens=row.get("routing", "").startswith("drop"))
             best, error = None, None
             for choice in _unstated_choices(row):
                 try:

@@ -42,6 +42,18 @@ HOST_SYNC_SECONDS = 10e-6
 # Kernels the dispatcher issues between the sync and the all-to-all (sort / argsort of the expert ids, the
 # row gather, split sizes): the GPU is idle while the CPU issues them.
 KERNELS_AFTER_SYNC = 4
+# Token dropping (a capacity factor without padding: Megatron-Core's --moe-expert-capacity-factor, as the MoE
+# Parallel Folding paper's benchmarks ran with factor 1, its section 4.2): the output size of the first
+# permutation is no longer tokens x top_k, so MoEAlltoAllTokenDispatcher.preprocess moves the host sync before it
+# (cuda_sync_point "before_permutation_1", megatron/core/transformer/moe/token_dispatcher.py at core_v0.11.0 and
+# d98e8a6) and the permutation's index kernels are issued behind the sync too: moe_utils.permute without fusion
+# transposes the routing map, builds the token indices (arange) and masked_selects them (a nonzero pass and the
+# index kernel), before the row gather the permute term already charges.
+PERMUTE_INDEX_KERNELS = 4
+# The capacity mask of topk_softmax_with_capacity (moe_utils.py, drop policy "probs"): a top-k over the tokens of
+# each expert (k = capacity), zeros + scatter of the mask, logical_and with the top-k map, the masked probabilities;
+# backward the product's gradient. (forward, backward) kernels.
+CAPACITY_MASK_KERNELS = (5, 1)
 
 
 # Transformer Engine's FP8 GroupedLinear allocates the quantized input and its transpose per expert before its one
@@ -230,7 +242,12 @@ def moe_mlp(work: PassWork, model: ModelSpec, split: MoETokens, ep: int, imbalan
     # gathers the logits over tp and routes the whole sequence on every tp rank.
     work.gemm(device, tokens, h, m.experts)
     sequence_tp = sequence_tp if sequence_tp is not None and sequence_tp.size > 1 else None
-    routing(work, device, m, tokens * sequence_tp.size if sequence_tp is not None else tokens)
+    routing_tokens = tokens * sequence_tp.size if sequence_tp is not None else tokens
+    routing(work, device, m, routing_tokens)
+    if stack.moe_drops_tokens:  # capacity mask over the fp32 [tokens, experts] gates (CAPACITY_MASK_KERNELS)
+        gates = routing_tokens * m.experts
+        work.elementwise(device, gates * (4 + 2 + 3 + 9) + routing_tokens * m.top_k * 8, gates * 9,
+                         *CAPACITY_MASK_KERNELS)
     mark()
     routed, per_expert = routed_rows(tokens, m, ep, imbalance)
     per_expert *= split.gathered  # the etp group's copies of each local expert's rows
@@ -239,15 +256,19 @@ def moe_mlp(work: PassWork, model: ModelSpec, split: MoETokens, ep: int, imbalan
     # Permute before dispatch and unpermute after combine (read + write per copy each); with ep > 1 the
     # received (and etp-gathered) rows are also sorted by local expert and back.
     sorts = ep > 1 or split.gathered > 1
+    drops = stack.moe_drops_tokens and stack.moe_dispatch_syncs_host
+    if drops and device.host is None:  # the sync comes before the first permutation (PERMUTE_INDEX_KERNELS)
+        work.host_sync()
     moved = (4 * routed + (4 * busiest if sorts else 0)) * h * e
     work.elementwise(device, moved, moved, 4 if sorts else 2, 4 if sorts else 2)
     if sequence_tp is not None:
         sequence_dispatch_copies(work, device, tokens * h * e, busiest * h * e)
     mark()
     if stack.moe_dispatch_syncs_host:
-        if device.host is None:  # a profiled CPU issues what it computes: its host costs are in series (cost/host.py)
-            work.host_sync()
-        work.host_wait += HOST_SYNC_SECONDS + KERNELS_AFTER_SYNC * stack.host_seconds_per_kernel
+        if device.host is None and not drops:  # a profiled CPU issues what it computes: its host costs are in
+            work.host_sync()  # series (cost/host.py)
+        after_sync = KERNELS_AFTER_SYNC + (PERMUTE_INDEX_KERNELS if drops else 0)
+        work.host_wait += HOST_SYNC_SECONDS + after_sync * stack.host_seconds_per_kernel
     mark()
     if sequence_tp is not None:
         sequence_dispatch_exchanges(work, tokens, m.experts, h, e, sequence_tp)

@@ -1,6 +1,7 @@
-"""Megatron-Core 0.8-0.9's sequence-level all-to-all dispatcher (cost/moe_block.py sequence_dispatch_*, issue 25), the
-MoE Parallel Folding paper's `mcore` baseline, against hand formulas: the tp all-to-alls around the dispatch, the
-copies of the hidden-dimension gather and scatter, and the router's logits gathered over tp."""
+"""What the MoE Parallel Folding paper's runs did that cost/moe_block.py costs (issue 25), against hand formulas:
+Megatron-Core 0.8-0.9's sequence-level all-to-all dispatcher (its `mcore` baseline: the tp all-to-alls around the
+dispatch, the copies of the hidden-dimension gather and scatter, the router's logits gathered over tp), and token
+dropping at capacity factor 1 (the capacity mask in the router, the host sync moved before the first permutation)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from fivefold.cost import stack_named
 from fivefold.cost.comm import all_gather_time, all_to_all_time, reduce_scatter_time, topology_of
 from fivefold.cost.compute import elementwise_time
 from fivefold.cost.layout import Layout, rank_envs
-from fivefold.cost.moe_block import moe_mlp, moe_tokens, sequence_dispatch_group
+from fivefold.cost.moe_block import (CAPACITY_MASK_KERNELS, HOST_SYNC_SECONDS, KERNELS_AFTER_SYNC,
+                                     PERMUTE_INDEX_KERNELS, moe_mlp, moe_tokens, sequence_dispatch_group)
 from fivefold.cost.passwork import PassWork
 from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
 
@@ -65,3 +67,28 @@ def test_the_sequence_level_dispatcher_adds_the_tp_exchanges_copies_and_logit_ga
     logit_exchange = all_gather_time(logits, env.tp) + reduce_scatter_time(logits, env.tp)
     assert block.terms.all_to_all - base.terms.all_to_all == pytest.approx(logit_exchange + 2 * exchange, rel=1e-9)
     assert block.terms.experts == pytest.approx(base.terms.experts, rel=1e-12)
+
+
+def test_token_dropping_masks_the_gates_and_syncs_before_the_first_permutation() -> None:
+    # tp1 ep4 on 8 H100, 4096 tokens routed here: the capacity mask passes over the fp32 [4096, experts] gates (5
+    # kernels forward, 1 backward); the sync now splits the forward before the permute, whose index kernels the CPU
+    # issues behind it.
+    env = _env()
+    device, stack = env.device, stack_named("megatron-core")
+    split = moe_tokens(4096, 1, 1, False, False)
+    kept, dropped = PassWork(), PassWork()
+    base = moe_mlp(kept, QWEN, split, 4, 1.0, device, stack, env.ep)
+    block = moe_mlp(dropped, QWEN, split, 4, 1.0, device, dataclasses.replace(stack, moe_drops_tokens=True), env.ep)
+    gates = 4096 * QWEN.experts
+    mask_forward = elementwise_time(device, gates * 18 + 4096 * QWEN.top_k * 8, CAPACITY_MASK_KERNELS[0])
+    mask_backward = elementwise_time(device, gates * 9, CAPACITY_MASK_KERNELS[1])
+    assert block.terms.router - base.terms.router == pytest.approx(mask_forward + mask_backward, rel=1e-9)
+    assert kept.host_wait == pytest.approx(HOST_SYNC_SECONDS + KERNELS_AFTER_SYNC * stack.host_seconds_per_kernel)
+    assert dropped.host_wait - kept.host_wait == pytest.approx(PERMUTE_INDEX_KERNELS * stack.host_seconds_per_kernel)
+    assert kept.synced_at is not None and dropped.synced_at is not None
+    # The permute's forward (the routed copies gathered and, ep > 1, sorted by local expert: 4096 x top_k rows
+    # each way, read and written) now follows the sync; the capacity mask comes before it.
+    permute_forward = elementwise_time(device, 8 * 4096 * QWEN.top_k * QWEN.hidden * device.element_bytes, 4)
+    assert block.expert_rows == 4096 * QWEN.top_k
+    assert kept.synced_at[0] - dropped.synced_at[0] == pytest.approx(permute_forward - mask_forward, rel=1e-9)
+    assert kept.synced_at[1] - dropped.synced_at[1] == 4 - CAPACITY_MASK_KERNELS[0]
