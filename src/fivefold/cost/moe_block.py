@@ -19,6 +19,9 @@ mean; every other rank waits for it at the combine):
   per expert as the stack launches them (expert_gemms), at the tile efficiency of the rows each local expert
   actually gets (cost/kernels.py), and the activation;
 - shared experts: a dense MLP of width shared_experts x expert_ffn_hidden on every token.
+Two dispatcher variants the MoE Parallel Folding paper's runs used: token dropping at a capacity factor
+(stack.moe_drops_tokens: the router's capacity mask, the sync before the first permutation) and Megatron-Core
+0.8-0.9's sequence-level dispatcher (stack.moe_sequence_dispatch: sequence_dispatch_copies / _exchanges).
 Kernel launches: an eager MoE block issues the ops counted on fivefold's block (cost/moe.py moe_block_ops:
 routing, sorting, gathers, a GEMM pair per local expert, the shared experts); a fine-grained model with many
 local experts becomes launch-bound when the stack's seconds per kernel times those ops exceed the GPU time.
