@@ -242,16 +242,29 @@ def _unstated_choices(row: dict) -> list[dict]:
     return [dict(micro_batch=1, vpp=v, recompute=r) for v in vpps for r in recomputes]
 
 
+def _paper_dispatcher(row: dict) -> str:
+    """The all-to-all dispatcher a MoE Parallel Folding row ran, where the table leaves it blank: the paper's own
+    token-level one with folding, Megatron-Core 0.9's sequence-level one (`alltoall_seq`) for its `mcore`
+    baseline (megatron_moe_rows)."""
+    return {"mcore": "alltoall_seq", "mcore-folding": "alltoall"}.get(row.get("method", ""), "")
+
+
 def megatron_moe_rows(path: Path) -> list[dict]:
     """Measured and predicted tokens/s per GPU of the Megatron-Core MoE rows (megatron-core stack); a row that
     a Plan cannot express, or that ran what the model does not cost (its note), has `predicted` None or
-    `modelled` False."""
+    `modelled` False. The MoE Parallel Folding paper's `mcore` baseline (method column) is Megatron-Core before
+    its token-level dispatcher: the paper's section 3.3 introduces that dispatcher and the sub-sequence dropping
+    it defaults to, against the full-sequence dropping that gathers the logits over the ranks of a sequence, and
+    its appendix 6.1 compares against Megatron-Core 0.9, whose all-to-all dispatcher is the sequence-level one
+    (`moe_sequence_dispatch`: cost/moe_block.py sequence_dispatch_copies)."""
     out = []
     stack = STACKS["megatron-core"]
     with open(path) as handle:
         for row in csv.DictReader(handle):
             measured = measured_tokens_per_s(row)
-            variant = replace(stack, moe_dispatch_per_node=row["dispatcher"] == "deepep")
+            variant = replace(stack, moe_dispatch_per_node=row["dispatcher"] == "deepep",
+                              moe_sequence_dispatch=row.get("method") == "mcore",
+                              moe_drops_tokens=row.get("routing", "").startswith("drop"))
             best, error = None, None
             for choice in _unstated_choices(row):
                 try:
@@ -268,7 +281,8 @@ def megatron_moe_rows(path: Path) -> list[dict]:
                             "layout": str(error).split(":")[0]})
                 continue
             _, plan, result = best
-            out.append({**row, "plan": plan, "layout": plan.describe(), "measured": measured,
+            out.append({**row, "dispatcher": row["dispatcher"] or _paper_dispatcher(row), "plan": plan,
+                        "layout": plan.describe(), "measured": measured,
                         "predicted": result.tokens_per_s / plan.world_size, "mfu": result.mfu, "fits": result.fits,
                         "measured_mfu": result.mfu * measured * plan.world_size / result.tokens_per_s,
                         "modelled": not row["note"] or row["note"] == "Megatron-FSDP"})

@@ -22,7 +22,8 @@ from fivefold.cost.comm import SELF, GroupLink, all_gather_time, all_reduce_time
 from fivefold.cost.context import context_parallel_comm
 from fivefold.cost.compute import Device, elementwise_time, flash_attention_time, gemm_time
 from fivefold.cost.moe import split_by_layer_kind
-from fivefold.cost.moe_block import etp_exchange, moe_mlp, moe_tokens, tp_split_block_comm
+from fivefold.cost.moe_block import (etp_exchange, moe_mlp, moe_tokens, sequence_dispatch_group,
+                                     tp_split_block_comm)
 from fivefold.cost.passwork import ZERO_PASS, PassCost, PassWork, fp8_linear, mlp
 
 __all__ = ["ZERO_PASS", "LayerShape", "PassCost", "embedding_cost", "head_cost", "layer_cost", "padded_vocab"]
@@ -153,7 +154,8 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
     work.elementwise(device, 2 * norm_tokens * h * e, 3 * norm_tokens * h * e, 1, 2)
     if m.is_moe:  # router to combine, term by term, over the folded expert groups (cost/moe_block.py)
         split = moe_tokens(tokens, t, shape.etp, shape.sequence_parallel, stack.moe_splits_tokens_over_tp)
-        block = moe_mlp(work, m, split, shape.ep, shape.expert_imbalance, device, stack, ep_link)
+        block = moe_mlp(work, m, split, shape.ep, shape.expert_imbalance, device, stack, ep_link,
+                        sequence_dispatch_group(stack, shape.sequence_parallel, shape.etp, tp_link))
         if stack.moe_splits_tokens_over_tp:
             tp_split_block_comm(work, m, block, hidden_bytes, shape.sequence_parallel, tp_link, etp_link, e)
         elif shape.sequence_parallel and t > 1:  # Megatron-Core: the etp group gathers the received copies

@@ -19,6 +19,9 @@ mean; every other rank waits for it at the combine):
   per expert as the stack launches them (expert_gemms), at the tile efficiency of the rows each local expert
   actually gets (cost/kernels.py), and the activation;
 - shared experts: a dense MLP of width shared_experts x expert_ffn_hidden on every token.
+Two dispatcher variants the MoE Parallel Folding paper's runs used: token dropping at a capacity factor
+(stack.moe_drops_tokens: the router's capacity mask, the sync before the first permutation) and Megatron-Core
+0.8-0.9's sequence-level dispatcher (stack.moe_sequence_dispatch: sequence_dispatch_copies / _exchanges).
 Kernel launches: an eager MoE block issues the ops counted on fivefold's block (cost/moe.py moe_block_ops:
 routing, sorting, gathers, a GEMM pair per local expert, the shared experts); a fine-grained model with many
 local experts becomes launch-bound when the stack's seconds per kernel times those ops exceed the GPU time.
@@ -42,6 +45,18 @@ HOST_SYNC_SECONDS = 10e-6
 # Kernels the dispatcher issues between the sync and the all-to-all (sort / argsort of the expert ids, the
 # row gather, split sizes): the GPU is idle while the CPU issues them.
 KERNELS_AFTER_SYNC = 4
+# Token dropping (a capacity factor without padding: Megatron-Core's --moe-expert-capacity-factor, as the MoE
+# Parallel Folding paper's benchmarks ran with factor 1, its section 4.2): the output size of the first
+# permutation is no longer tokens x top_k, so MoEAlltoAllTokenDispatcher.preprocess moves the host sync before it
+# (cuda_sync_point "before_permutation_1", megatron/core/transformer/moe/token_dispatcher.py at core_v0.11.0 and
+# d98e8a6) and the permutation's index kernels are issued behind the sync too: moe_utils.permute without fusion
+# transposes the routing map, builds the token indices (arange) and masked_selects them (a nonzero pass and the
+# index kernel), before the row gather the permute term already charges.
+PERMUTE_INDEX_KERNELS = 4
+# The capacity mask of topk_softmax_with_capacity (moe_utils.py, drop policy "probs"): a top-k over the tokens of
+# each expert (k = capacity), zeros + scatter of the mask, logical_and with the top-k map, the masked probabilities;
+# backward the product's gradient. (forward, backward) kernels.
+CAPACITY_MASK_KERNELS = (5, 1)
 
 
 # Transformer Engine's FP8 GroupedLinear allocates the quantized input and its transpose per expert before its one
@@ -163,14 +178,62 @@ def _repeated(work: PassWork, times: int, add: Callable[[PassWork], tuple[tuple[
     return [times * seconds for seconds in (*up, *down)]
 
 
+def routing(work: PassWork, device: Device, model: ModelSpec, tokens: int) -> None:
+    """Softmax and top-k in fp32 over the [tokens, experts] logits (read the logits, write the fp32 probabilities,
+    read them for top-k, write the k weights and indices; backward: the softmax gradient over the same fp32
+    tensor) and, with an auxiliary loss, its reductions over the probabilities."""
+    probabilities = tokens * model.experts * 4.0
+    aux = 2.0 * probabilities if model.aux_loss_coef > 0 else 0.0
+    work.elementwise(device, 2 * probabilities + tokens * device.element_bytes * model.experts + probabilities
+                     + tokens * model.top_k * 12 + aux, 3 * probabilities + aux, 3, 2)
+
+
+def sequence_dispatch_copies(work: PassWork, device: Device, own_bytes: float, gathered_bytes: float) -> None:
+    """The copies Megatron-Core's sequence-level all-to-all dispatcher (the MoEAlltoAllTokenDispatcher of
+    Megatron-Core 0.8-0.9, kept as `alltoall_seq` in megatron/core/transformer/moe/legacy_a2a_token_dispatcher.py at
+    core_v0.11.0) adds to the token-level one, per micro-batch, with tp > 1 and the experts split at the
+    attention's tp; each tp rank dispatches the whole sequence on its hidden slice (tensor_parallel/mappings.py):
+    - all_to_all_sp2hp before the permute and all_to_all_hp2sp after the unpermute each copy the rank's own
+      activation (`own_bytes`: torch.cat of its hidden-dimension splits);
+    - the gather of the received rows over tp is along the hidden dimension (_gather_along_last_dim: all-gather,
+      then torch.cat of the chunks along the last dimension) and the reduce-scatter before the combine first
+      concatenates the last-dimension splits (_reduce_scatter_along_last_dim): a copy of the gathered rows
+      (`gathered_bytes`) each, beside the collectives etp_exchange costs.
+    Backward runs the reverse functions, the same four copies; each copy reads and writes its tensor."""
+    copies = 2 * (2 * own_bytes + 2 * gathered_bytes)
+    work.elementwise(device, copies, copies, 4, 4)
+
+
+def sequence_dispatch_exchanges(work: PassWork, tokens: int, experts: int, hidden: int, element_bytes: int,
+                                tp_link: GroupLink) -> None:
+    """The tp collectives of the sequence-level dispatcher (sequence_dispatch_copies), per micro-batch: the
+    router's [tokens, experts] logits all-gathered over tp (TopKRouter.routing for `alltoall_seq`: every tp rank
+    routes the whole sequence, the paper's full-sequence dropping; backward a reduce-scatter), and
+    all_to_all_sp2hp / all_to_all_hp2sp, an all-to-all over tp of the rank's own [tokens, hidden] activation
+    each, forward and backward."""
+    logits = tokens * tp_link.size * experts * element_bytes
+    exchange = 2 * all_to_all_time(tokens * hidden * element_bytes, tp_link)
+    work.collective("tp", all_gather_time(logits, tp_link) + exchange, reduce_scatter_time(logits, tp_link) + exchange)
+
+
+def sequence_dispatch_group(stack: SoftwareStack, sequence_parallel: bool, etp: int,
+                            tp_link: GroupLink) -> GroupLink | None:
+    """The tp group a sequence-level dispatcher exchanges over: Megatron-Core 0.8-0.9 with sequence parallel,
+    tp > 1 and the experts split at the attention's tp (it has no expert tp of its own); None otherwise."""
+    if stack.moe_sequence_dispatch and sequence_parallel and tp_link.size > 1 and etp == tp_link.size:
+        return tp_link
+    return None
+
+
 def _seconds(work: PassWork) -> float:
     return (work.forward + work.backward_input + work.backward_weight + work.host_wait
             + sum(work.forward_comm.values()) + sum(work.backward_comm.values()))
 
 
 def moe_mlp(work: PassWork, model: ModelSpec, split: MoETokens, ep: int, imbalance: float, device: Device,
-            stack: SoftwareStack, ep_link: GroupLink) -> MoEBlock:
-    """Add one MoE block (router to combine) to `work` for the tokens and expert split of `split`."""
+            stack: SoftwareStack, ep_link: GroupLink, sequence_tp: GroupLink | None = None) -> MoEBlock:
+    """Add one MoE block (router to combine) to `work` for the tokens and expert split of `split`.
+    `sequence_tp`: the tp group of a sequence-level dispatcher (sequence_dispatch_copies; None: token-level)."""
     m, e, h, tokens = model, device.element_bytes, model.hidden, split.routed
     kernels = work.forward_kernels, work.backward_kernels
     marks = [_seconds(work)]
@@ -178,12 +241,16 @@ def moe_mlp(work: PassWork, model: ModelSpec, split: MoETokens, ep: int, imbalan
     def mark() -> None:
         marks.append(_seconds(work))
 
-    # Router: logits GEMM, fp32 softmax and top-k (+ auxiliary loss reductions).
+    # Router: logits GEMM, fp32 softmax and top-k (+ auxiliary loss reductions); a sequence-level dispatcher
+    # gathers the logits over tp and routes the whole sequence on every tp rank.
     work.gemm(device, tokens, h, m.experts)
-    probabilities = tokens * m.experts * 4.0
-    aux = 2.0 * probabilities if m.aux_loss_coef > 0 else 0.0
-    work.elementwise(device, 2 * probabilities + tokens * e * m.experts + probabilities + tokens * m.top_k * 12 + aux,
-                     3 * probabilities + aux, 3, 2)
+    sequence_tp = sequence_tp if sequence_tp is not None and sequence_tp.size > 1 else None
+    routing_tokens = tokens * sequence_tp.size if sequence_tp is not None else tokens
+    routing(work, device, m, routing_tokens)
+    if stack.moe_drops_tokens:  # capacity mask over the fp32 [tokens, experts] gates (CAPACITY_MASK_KERNELS)
+        gates = routing_tokens * m.experts
+        work.elementwise(device, gates * (4 + 2 + 3 + 9) + routing_tokens * m.top_k * 8, gates * 9,
+                         *CAPACITY_MASK_KERNELS)
     mark()
     routed, per_expert = routed_rows(tokens, m, ep, imbalance)
     per_expert *= split.gathered  # the etp group's copies of each local expert's rows
@@ -192,14 +259,22 @@ def moe_mlp(work: PassWork, model: ModelSpec, split: MoETokens, ep: int, imbalan
     # Permute before dispatch and unpermute after combine (read + write per copy each); with ep > 1 the
     # received (and etp-gathered) rows are also sorted by local expert and back.
     sorts = ep > 1 or split.gathered > 1
+    drops = stack.moe_drops_tokens and stack.moe_dispatch_syncs_host
+    if drops and device.host is None:  # the sync comes before the first permutation (PERMUTE_INDEX_KERNELS)
+        work.host_sync()
     moved = (4 * routed + (4 * busiest if sorts else 0)) * h * e
     work.elementwise(device, moved, moved, 4 if sorts else 2, 4 if sorts else 2)
+    if sequence_tp is not None:
+        sequence_dispatch_copies(work, device, tokens * h * e, busiest * h * e)
     mark()
     if stack.moe_dispatch_syncs_host:
-        if device.host is None:  # a profiled CPU issues what it computes: its host costs are in series (cost/host.py)
-            work.host_sync()
-        work.host_wait += HOST_SYNC_SECONDS + KERNELS_AFTER_SYNC * stack.host_seconds_per_kernel
+        if device.host is None and not drops:  # a profiled CPU issues what it computes: its host costs are in
+            work.host_sync()  # series (cost/host.py)
+        after_sync = KERNELS_AFTER_SYNC + (PERMUTE_INDEX_KERNELS if drops else 0)
+        work.host_wait += HOST_SYNC_SECONDS + after_sync * stack.host_seconds_per_kernel
     mark()
+    if sequence_tp is not None:
+        sequence_dispatch_exchanges(work, tokens, m.experts, h, e, sequence_tp)
     if ep_link.size > 1:
         counts = all_to_all_time(m.experts * 8.0, ep_link)
         dispatch = dispatch_time(tokens, m, e, imbalance, ep_link, stack.moe_dispatch_per_node)

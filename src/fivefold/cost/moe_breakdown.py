@@ -9,7 +9,7 @@ from fivefold.cost.layer import LayerShape
 from fivefold.cost.layout import Layout, RankEnv, RankGroup, layer_costs
 from fivefold.cost.memory import RankMemory, moe_dispatched_bytes
 from fivefold.cost.moe import moe_share
-from fivefold.cost.moe_block import MoETerms, moe_mlp, moe_tokens
+from fivefold.cost.moe_block import MoETerms, moe_mlp, moe_tokens, sequence_dispatch_group
 from fivefold.cost.passwork import PassWork
 from fivefold.cost.results import Estimate
 from fivefold.cost.stack import SoftwareStack
@@ -20,7 +20,7 @@ def moe_layer_terms(layout: Layout, env: RankEnv, stack: SoftwareStack) -> MoETe
     split = moe_tokens(layout.micro_batch * layout.train.seq_len // layout.cp, layout.tp, layout.etp,
                        layout.sequence_parallel, stack.moe_splits_tokens_over_tp)
     return moe_mlp(PassWork(), layout.model, split, layout.ep, layout.train.expert_imbalance, env.device, stack,
-                   env.ep).terms
+                   env.ep, sequence_dispatch_group(stack, layout.sequence_parallel, layout.etp, env.tp)).terms
 
 
 def host_sync_seconds(layout: Layout, env: RankEnv, stack: SoftwareStack) -> float:

@@ -122,6 +122,13 @@ class SoftwareStack:
     fp8_recipe: str = "tensorwise"  # FP8 scaling: tensorwise | rowwise (torchao), current | delayed | blockwise (TE)
     moe_dispatch_per_node: bool = False  # DeepEP: one network copy of a token per destination node, forwarded
     #                                      over NVLink to its experts there (cost/moe_block.py dispatch_time)
+    moe_drops_tokens: bool = False  # MoE tokens over the experts' capacity are dropped, without padding (Megatron-
+    #                                 Core's --moe-expert-capacity-factor): the capacity mask in the router and the
+    #                                 host sync before the first permutation (cost/moe_block.py)
+    moe_sequence_dispatch: bool = False  # Megatron-Core 0.8-0.9's all-to-all dispatcher (`alltoall_seq` later):
+    #                                      with tp > 1 and experts at the attention's tp, every tp rank routes and
+    #                                      dispatches the whole sequence on its hidden slice (cost/moe_block.py
+    #                                      sequence_dispatch_copies / _exchanges)
     features: Features = Features()  # what the software can run at all
 
     def uses_dropout(self, model: ModelSpec) -> bool:
