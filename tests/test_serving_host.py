@@ -54,8 +54,10 @@ def test_the_probe_times_the_real_engine(monkeypatch):
     monkeypatch.setattr(serving, "LAYERS", (1, 3))
     monkeypatch.setattr(serving, "DECODE_BATCHES", (1, 4))
     monkeypatch.setattr(serving, "QUICK", (2, 4, 2))
+    monkeypatch.setattr(serving, "WAKE_IDLE_S", 0.01)
     costs = serving.measure_serving_host(quick=True)
-    assert set(costs) == {"serve_step", "serve_request", "serve_layer", "serve_attention_group", "serve_cpu_share"}
+    assert set(costs) == {"serve_step", "serve_request", "serve_layer", "serve_attention_group", "serve_wake",
+                          "serve_cpu_share"}
     assert all(0.0 <= value <= 1.0 for value in costs.values())
     assert costs["serve_layer"] > 0.0
 
@@ -120,3 +122,46 @@ def test_a_decode_gemm_takes_the_measured_rate_of_its_intensity():
 
     assert skinny_gemm_time(replica.device, 1, 512, 512) == pytest.approx(2 * 512 * 512 / decode_rate)
     assert skinny_gemm_time(replica.device, 1, h, h) == pytest.approx(2 * h * h / decode_rate, rel=0.02)
+
+
+def test_an_idle_replicas_first_step_pays_the_engines_wake_up():
+    """Two requests far apart: each finds its replica idle, and only its first step (the prefill) is longer, by
+    serve_wake; without a profiled engine nothing changes."""
+    from fivefold.cost.deployment import Replica
+    from fivefold.sim.serving import simulate_serving
+    from fivefold.spec.serve import BatchLimits
+    from fivefold.spec.workload import Request, Workload
+
+    def replay(host: HostCosts | None):
+        replica = Replica(((0,),), _replica(1, 1, False, host=host), 64, 0.0)
+        workload = Workload(trace=(Request(0.0, 16, 4), Request(5.0, 16, 4)), num_requests=2)
+        return simulate_serving([replica], BatchLimits(kv_blocks=64), workload, pp=1)
+
+    woken = HostCosts(**{**HOST.to_dict(), "serve_wake": 2e-3})
+    plain, slept = replay(HOST), replay(woken)
+    for before, after in zip(plain.requests, slept.requests):
+        assert after.ttft_s == pytest.approx(before.ttft_s + 2e-3)
+        assert after.finish_s - after.first_token_s == pytest.approx(before.finish_s - before.first_token_s)
+
+
+def test_cold_reads_are_a_latency_per_call_plus_bytes_at_a_bandwidth():
+    """cold_stream recovers (latency, bandwidth) from one-row GEMMs at two sizes; a profiled engine's decode step
+    reads every weight matrix of fivefold's blocks (q, k, v, o, gate, up, down: 7 calls a layer) and its KV blocks
+    (one gather a layer) at least at that cost."""
+    from fivefold.cost.serving import cold_stream
+
+    latency, bandwidth = 12e-6, 9.5e9
+    points = tuple((1, size, size, "fp32", 2.0 * size * size / (latency + 4 * size * size / bandwidth))
+                   for size in (256, 512))
+    stream = cold_stream(Calibration(gemm=points, host=HOST, processes=1, threads=1), "fp32")
+    assert stream.latency_s == pytest.approx(latency) and stream.bandwidth == pytest.approx(bandwidth)
+    assert cold_stream(Calibration(gemm=points[:1], host=HOST), "fp32") is None
+    replica = ReplicaCost(PRESETS["tiny"], device_named("cpu"), 1, 1, "fp32", "fp32", 1, SELF, SELF,
+                          calibration=Calibration(gemm=points, host=HOST, processes=1, threads=1))
+    m = PRESETS["tiny"]
+    per_layer_weights = 4 * (2 * m.hidden * m.heads * m.head_dim + 2 * m.hidden * m.kv_heads * m.head_dim
+                             + 3 * m.hidden * m.ffn_hidden)
+    step = replica.step(1, 1, 100)
+    assert step.gemm_s >= m.layers * (7 * latency + per_layer_weights / bandwidth) * (1 - 1e-9)
+    kv = 100 * 2 * m.kv_heads * m.head_dim * 4
+    assert step.attention_s == pytest.approx(m.layers * (latency + kv / bandwidth))

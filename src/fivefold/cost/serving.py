@@ -35,6 +35,12 @@ is named with its source:
   attention call per prefill chunk beyond the first group (`stage_host_s`, paid on every stage: eager module
   calls, no CUDA graphs). Such a device is costed as training costs a profiled CPU rank (cost/compute.Device with
   the calibration): the measured GEMM rates and memory bandwidth, no per-kernel latency of its own.
+On a profiled CPU a decode step also reads what is not in cache: each weight matrix once per step (the rest of
+the model, the KV cache and the engine's Python ran in between) and each decoding request's KV blocks (the
+engine gathers them with one index_select per layer, serve/kv_cache.py). `ColdStream` prices such a read as a
+latency per call plus bytes at a bandwidth, both fitted on the profile's one-row GEMMs timed with their weights
+out of cache at two matrix sizes (profile/kernels.py DECODE_SHAPES: here 256 x 256 in 39 us and 512 x 512 in
+123 us, i.e. ~12 us + bytes at ~9.5 GB/s); a GEMM costs at least its weights' read.
 FP8 (`dtype=fp8`) runs the block GEMMs on FP8 tensor cores with 1-byte weights (cost/compute.gemm_time's FP8
 path); `kv_dtype=fp8` halves the KV read and doubles the cache capacity. No torch here.
 """
@@ -70,11 +76,49 @@ ELEMENTWISE_KERNELS = 7
 ELEMENTWISE_BYTES_PER_HIDDEN = 14 * 2
 
 
-def skinny_gemm_time(device: Device, m: int, n: int, k: int, batch: int = 1, fp8: bool = False) -> float:
-    """The faster of cost/compute.gemm_time and a split-K kernel at the roofline (weights streamed once)."""
+@dataclass(frozen=True)
+class ColdStream:
+    """Reading bytes that are not in cache on a profiled CPU: a latency per call plus bytes at a bandwidth
+    (module docstring)."""
+
+    latency_s: float
+    bandwidth: float  # bytes/s
+
+    def seconds(self, num_bytes: float, calls: int = 1) -> float:
+        return calls * self.latency_s + num_bytes / self.bandwidth
+
+
+def cold_stream(calibration: Calibration | None, dtype: str) -> ColdStream | None:
+    """The fit of seconds = latency + bytes / bandwidth over the profile's one-row GEMMs of `dtype` (their weights'
+    bytes); None without two sizes of them."""
+    if calibration is None:
+        return None
+    element = DTYPE_BYTES[dtype]
+    points = sorted({(n * k * element, 2.0 * n * k / rate) for m, n, k, point_dtype, rate in calibration.gemm
+                     if m == 1 and point_dtype == dtype and rate > 0})
+    if len({size for size, _ in points}) < 2:
+        return None
+    mean_size = sum(size for size, _ in points) / len(points)
+    mean_time = sum(time for _, time in points) / len(points)
+    slope = (sum((size - mean_size) * (time - mean_time) for size, time in points)
+             / sum((size - mean_size) ** 2 for size, _ in points))
+    if slope <= 0:
+        return None
+    return ColdStream(max(0.0, mean_time - slope * mean_size), 1.0 / slope)
+
+
+def skinny_gemm_time(device: Device, m: int, n: int, k: int, batch: int = 1, fp8: bool = False,
+                     stream: ColdStream | None = None, matrices: int = 1) -> float:
+    """The faster of cost/compute.gemm_time and a split-K kernel at the roofline (weights streamed once); on a
+    profiled CPU, the measured rate of the shape, and with `stream` at least the read of the weights, held in
+    `matrices` separate matrices (each a call)."""
     tiled = gemm_time(device, m, n, k, batch, fp8)
-    if m <= 0 or n <= 0 or k <= 0 or (device.host is not None and device.gemm_curve is not None):
-        return tiled  # a profiled CPU: the measured rate of this shape (small GEMMs run far below the best one)
+    if m <= 0 or n <= 0 or k <= 0:
+        return tiled
+    if device.host is not None and device.gemm_curve is not None:
+        # A profiled CPU: the measured rate of this shape (small GEMMs run far below the best one).
+        return tiled if stream is None else max(tiled, stream.seconds(n * k * device.element_bytes * batch,
+                                                                          matrices * batch))
     rate = device.fp8_gemm_peak if fp8 and device.fp8_gemm_peak else device.gemm_peak
     weight_bytes = 1 if fp8 and device.fp8_gemm_peak else device.element_bytes
     memory = (k * n * weight_bytes + (m * k + m * n) * 2) * batch / device.bandwidth
@@ -148,6 +192,8 @@ class ReplicaCost:
         host = self.device.host
         # fivefold's own engine, measured (module docstring); None: the development set's fitted STEP_HOST_S.
         self.engine_host: HostCosts | None = host if host is not None and host.serving else None
+        # What a step reads out of cache on such a device (module docstring); None elsewhere.
+        self.stream = cold_stream(self.calibration, self.dtype) if self.engine_host is not None else None
         self.layers = -(-self.model.layers // self.pp)  # busiest stage (the first stages take the remainder)
         m, tp = self.model, self.tp
         self.q_local = m.heads * m.head_dim // tp
@@ -157,12 +203,13 @@ class ReplicaCost:
 
     # -- the terms -------------------------------------------------------------------------------------
     def _block_gemms(self, tokens: int) -> float:
-        """One block's GEMMs for `tokens` rows (fused QKV, output, gate+up, down; MoE: the experts hit)."""
-        m, d, tp, fp8 = self.model, self.device, self.tp, self.dtype == "fp8"
+        """One block's GEMMs for `tokens` rows (QKV, output, gate+up, down; MoE: the experts hit)."""
+        m, d, tp, fp8, stream = self.model, self.device, self.tp, self.dtype == "fp8", self.stream
         h = m.hidden
-        seconds = skinny_gemm_time(d, tokens, self.q_local + 2 * self.kv_local, h, fp8=fp8)
-        seconds += skinny_gemm_time(d, tokens, h, self.q_local, fp8=fp8)
         up = 2 if m.mlp == "swiglu" else 1
+        # fivefold's blocks hold q, k, v and gate, up as separate Linears (models/transformer.py): a call each.
+        seconds = skinny_gemm_time(d, tokens, self.q_local + 2 * self.kv_local, h, fp8=fp8, stream=stream, matrices=3)
+        seconds += skinny_gemm_time(d, tokens, h, self.q_local, fp8=fp8, stream=stream)
         if m.is_moe:
             # Experts on this rank (ep splits them, else tp splits each); each hit expert reads its weights.
             local = m.experts // self.ep
@@ -170,15 +217,17 @@ class ReplicaCost:
             routed = tokens * m.top_k / self.ep
             hit = max(1, min(local, round(routed)))
             rows = max(1, round(routed / hit))
-            seconds += skinny_gemm_time(d, rows, up * width, h, batch=hit, fp8=fp8)
-            seconds += skinny_gemm_time(d, rows, h, width, batch=hit, fp8=fp8)
-            seconds += skinny_gemm_time(d, tokens, m.experts, h)  # router
+            seconds += skinny_gemm_time(d, rows, up * width, h, batch=hit, fp8=fp8, stream=stream, matrices=up)
+            seconds += skinny_gemm_time(d, rows, h, width, batch=hit, fp8=fp8, stream=stream)
+            seconds += skinny_gemm_time(d, tokens, m.experts, h, stream=stream)  # router
             if m.shared_experts:
                 shared = m.shared_experts * m.expert_ffn_hidden // tp
-                seconds += skinny_gemm_time(d, tokens, up * shared, h, fp8=fp8) + skinny_gemm_time(d, tokens, h, shared, fp8=fp8)
+                seconds += (skinny_gemm_time(d, tokens, up * shared, h, fp8=fp8, stream=stream, matrices=up)
+                            + skinny_gemm_time(d, tokens, h, shared, fp8=fp8, stream=stream))
         else:
             ffn = m.ffn_hidden // tp
-            seconds += skinny_gemm_time(d, tokens, up * ffn, h, fp8=fp8) + skinny_gemm_time(d, tokens, h, ffn, fp8=fp8)
+            seconds += (skinny_gemm_time(d, tokens, up * ffn, h, fp8=fp8, stream=stream, matrices=up)
+                        + skinny_gemm_time(d, tokens, h, ffn, fp8=fp8, stream=stream))
         return seconds
 
     def _linear(self, tokens: int) -> tuple[float, float, float]:
@@ -205,7 +254,8 @@ class ReplicaCost:
         cached = self._head_cache.get(samples)
         if cached is None:
             # Vocab-parallel logits: gathering samples x vocab / tp floats is small next to the GEMM; not counted.
-            cached = skinny_gemm_time(self.device, samples, self.model.vocab // self.tp, self.model.hidden)
+            cached = skinny_gemm_time(self.device, samples, self.model.vocab // self.tp, self.model.hidden,
+                                      stream=self.stream)
             if len(self._head_cache) < 65536:
                 self._head_cache[samples] = cached
         return cached
@@ -214,6 +264,8 @@ class ReplicaCost:
         """Decoding requests read their KV cache (all `kv_tokens` of them) once per layer of the stage."""
         if requests <= 0:
             return 0.0
+        if self.stream is not None:  # a profiled CPU engine: one gather of the blocks per layer (module docstring)
+            return self.layers * self.stream.seconds(kv_tokens * self.kv_token_bytes)
         return self.layers * elementwise_time(self.device, kv_tokens * self.kv_token_bytes / PAGED_ATTENTION_EFFICIENCY,
                                               1)
 
@@ -256,6 +308,12 @@ class ReplicaCost:
         groups = (1 if decode_requests else 0) + len(prefill_chunks)  # serve/batch.py: attention calls per layer
         stage_host = self.layers * (engine.serve_layer + engine.serve_attention_group * max(0, groups - 1))
         return StepCost(gemm, attention, comm, other, send, host, self.pp, stage_host)
+
+    @property
+    def wake_s(self) -> float:
+        """What the first step after the engine slept costs more (a profiled engine's serve_wake; else 0: GPU
+        engines on the development set busy-poll)."""
+        return self.engine_host.serve_wake if self.engine_host is not None else 0.0
 
     # -- what the planner reports -----------------------------------------------------------------------
     @property

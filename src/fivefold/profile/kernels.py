@@ -6,10 +6,10 @@ and on this machine's 2-core VM the last-level cache is shared with the neighbou
 on one matrix keeps the weights in cache and measured 1x344x128 at 7 us where a served 4-layer model's step
 spends 18 us on it (torch profiler, 27 Nov 2026). So on a CPU the decode shapes are timed as a model runs them:
 F.linear over a rotation of distinct weight matrices filling DECODE_WORKING_SET bytes, beyond the last-level cache
-(32 MiB here), and each call pays its weights' trip from memory. The matrices are 512 x 512 (1 MiB in fp32), a
-layer's matrix of the small models a CPU serves: here a 1 x 1024 x 1024 decode GEMM streams at 6.4 GFLOP/s and
-a 1 x 512 x 512 one at 4.3, against the served 4-layer model's ~4.2 (its GEMMs' time over their FLOPs, torch
-profiler). A GPU profile leaves them out: a GPU serves large models, whose decode GEMMs cost/serving.py prices
+(32 MiB here), and each call pays its weights' trip from memory. The matrices are 256 x 256 and 512 x 512 (a
+layer's matrices of the small models a CPU serves): the time of such a call grows as a latency plus bytes at a
+bandwidth (here 1 x 128^2: 19 us, 256^2: 39 us, 512^2: 123 us, i.e. ~12 us + bytes at ~9.5 GB/s), which
+cost/serving.py fits on the one-row points. A GPU profile leaves them out: a GPU serves large models, whose decode GEMMs cost/serving.py prices
 by the memory roofline, and there a 512-wide GEMV would only time a kernel launch.
 """
 
@@ -71,8 +71,9 @@ def median_seconds(work: Callable[[], object], device: torch.device, repeats: in
 
 # Decode GEMMs with their weights in memory, not in cache (module docstring): 1 and 4 rows, the decode steps of
 # one and a few requests; their arithmetic intensity (0.5-2 FLOP/byte in fp32) is below every other shape's, so
-# they set the measured curve's low end without moving the rates of the training shapes.
-DECODE_SHAPES = ((1, 512, 512), (4, 512, 512))
+# they set the measured curve's low end without moving the rates of the training shapes. The one-row GEMMs at two
+# sizes give cost/serving.cold_stream its latency per call and bandwidth.
+DECODE_SHAPES = ((1, 256, 256), (1, 512, 512), (4, 512, 512))
 DECODE_WORKING_SET = 64 * 2**20
 
 

@@ -42,7 +42,8 @@ def profile_renderables(profile: Profile, out: str) -> list:
     if host is not None and host.serving:  # profile/serving.py
         table.add_row("serving engine host", f"{host.serve_step * 1e6:.0f} us/step + {host.serve_request * 1e6:.0f} "
                       f"us/request + {host.serve_layer * 1e6:.0f} us/layer (+{host.serve_attention_group * 1e6:.0f} "
-                      f"us per extra attention call); worker queues {host.serve_worker_step * 1e6:.0f} us/step")
+                      f"us per extra attention call); worker queues {host.serve_worker_step * 1e6:.0f} us/step; "
+                      f"{host.serve_wake * 1e6:.0f} us to wake")
     for collective in COLLECTIVES:
         points = [p for p in profile.collectives if p.collective == collective and p.ranks == profile.processes]
         if points:

@@ -21,6 +21,12 @@ The prediction is then the one for a core of the process's own; `fivefold report
   worker processes to start, and on a shared machine a reading that swung between 0 and 1.4 ms per stage):
   cost/serving.py charges each stage boundary another such trip (its inbox and wake-up) plus the gloo send, which
   the profile's send_recv curve holds.
+- serve_wake (wall seconds): what the first step after the engine slept (ArrivalQueue and the server sleep while no
+  request is there) takes beyond the same step run right after another: one prefill step on the 4-layer stage after
+  WAKE_IDLE_S asleep against one right after a step, the two taking turns. Here ~1-1.5 ms: idle, the core's caches,
+  TLBs and branch predictors lose the engine's working set (a 4-layer tiny model's first step after 0.25 s idle:
+  +0.9 ms of CPU time, and a request that arrives at an idle engine waits ~2.5 ms longer for its first token than
+  the same prefill run back to back). sim/serving.py charges it to the first step of an idle replica.
 serve_cpu_share records the share of a core the probe got while it wanted one (local.CpuShare), for the record.
 The ranks of `fivefold profile` measure the first four at once; the worker step is timed by the launching
 process, with 2 or more processes (the ranks have ended by then).
@@ -47,6 +53,7 @@ LAYERS = (1, 4)  # stage depths
 KV_BLOCKS = 512
 # (rounds, decode steps per batch size and round, prefill steps per chunk count and round)
 QUICK, FULL = (4, 8, 3), (8, 16, 6)
+WAKE_IDLE_S = 0.1  # how long the engine sleeps before a timed wake-up step
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,23 @@ def _prefill_times(engine, chunks: int, repeats: int, tag: str) -> list[float]:
     return times
 
 
+def _wake_pair(engine, tag: str) -> tuple[float, float]:
+    """Wall seconds of one prefill step right after another, and of the same step after WAKE_IDLE_S asleep."""
+    from fivefold.serve.engine import Request
+
+    def one_step(name: str) -> float:
+        engine.add(Request(name, [1 + j % 15 for j in range(PREFILL_TOKENS)], 1))
+        start = time.perf_counter()
+        while engine.busy:
+            engine.step()
+        return time.perf_counter() - start
+
+    one_step(f"{tag}-before")
+    warm = one_step(f"{tag}-warm")
+    time.sleep(WAKE_IDLE_S)
+    return warm, one_step(f"{tag}-woken")
+
+
 def fit_serving_host(decode: dict[tuple[int, int], float],
                      prefill: dict[tuple[int, int], float]) -> dict[str, float]:
     """Least squares of step = serve_step + serve_request x requests + layers x (serve_layer +
@@ -137,8 +161,8 @@ def fit_serving_host(decode: dict[tuple[int, int], float],
 
 
 def measure_serving_host(quick: bool, line_up: Callable[[], None] = lambda: None) -> dict[str, float]:
-    """serve_step, serve_request, serve_layer, serve_attention_group of this process (module docstring), and
-    serve_cpu_share: the share of a core it got while measuring (local.CpuShare). The
+    """serve_step, serve_request, serve_layer, serve_attention_group and serve_wake of this process (module
+    docstring), and serve_cpu_share: the share of a core it got while measuring (local.CpuShare). The
     configurations take turns, round after round, and each keeps the median of all its steps: on a shared
     machine the neighbours' load drifts, and a drift between two configurations would land in their difference."""
     from fivefold.local import CpuShare
@@ -148,6 +172,7 @@ def measure_serving_host(quick: bool, line_up: Callable[[], None] = lambda: None
     share = CpuShare()
     decode: dict[tuple[int, int], list[float]] = {(l, b): [] for l in LAYERS for b in DECODE_BATCHES}
     prefill: dict[tuple[int, int], list[float]] = {(l, c): [] for l in LAYERS for c in PREFILL_CHUNKS}
+    warm, woken = [], []
     try:
         for layers, engine in engines.items():  # warm-up: first calls, lazy allocations
             _prefill_times(engine, 1, 1, "warm")
@@ -159,12 +184,18 @@ def measure_serving_host(quick: bool, line_up: Callable[[], None] = lambda: None
                 for chunks in PREFILL_CHUNKS:
                     line_up()
                     prefill[(layers, chunks)] += _prefill_times(engine, chunks, repeats, f"p{round_}-{chunks}")
+            for repeat in range(repeats):
+                line_up()
+                pair = _wake_pair(engines[max(LAYERS)], f"w{round_}-{repeat}")
+                warm.append(pair[0])
+                woken.append(pair[1])
     finally:
         for engine in engines.values():
             engine.executor.close()
     costs = fit_serving_host({key: statistics.median(v) for key, v in decode.items()},
                              {key: statistics.median(v) for key, v in prefill.items()})
-    return {**costs, "serve_cpu_share": share.share() or 0.0}
+    wake = max(0.0, statistics.median(woken) - statistics.median(warm))
+    return {**costs, "serve_wake": wake, "serve_cpu_share": share.share() or 0.0}
 
 
 def _token_intervals(engine, tokens: int, tag: str) -> list[float]:

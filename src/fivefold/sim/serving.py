@@ -3,7 +3,7 @@
 Each replica runs a batching.Scheduler (continuous batching, chunked prefill, paged KV with preemption by
 recompute) — the object `fivefold serve` runs — and a request goes to the replica `batching.pick_replica`
 picks (fewest queued tokens). A step's time is the cost model's (cost/serving.ReplicaCost.step) for what the
-scheduler put in it. As the runtime's Engine.step does, a replica schedules and submits steps until pp are in
+scheduler put in it; the first step of a replica that had nothing to run also pays the engine's wake-up. As the runtime's Engine.step does, a replica schedules and submits steps until pp are in
 flight (Scheduler(limits, pipeline_depth=pp) gives each about 1/pp of the requests); a submitted step enters
 stage 0 when the one before it has left, so a replica starts a step every busiest-stage time. The scheduler
 skips requests whose step has not come back (update not yet called). `--batch B` is a closed loop: each
@@ -142,9 +142,10 @@ def simulate_serving(replicas: list[Replica], limits: BatchLimits, workload: Wor
     stage_free = [0.0] * len(replicas)
     steps_out = result.steps
 
-    def start_steps(r: int, now: float) -> None:
+    def start_steps(r: int, now: float, woken: bool = False) -> None:
         """What the runtime's Engine.step does: schedule and submit until pp steps are in flight. A submitted
-        step enters stage 0 when the step before it has left it."""
+        step enters stage 0 when the step before it has left it. `woken`: the replica was idle, and its first
+        step pays the engine's wake-up (cost/serving.ReplicaCost.wake_s)."""
         nonlocal counter
         scheduler = schedulers[r]
         while in_flight[r] < pp:
@@ -153,6 +154,9 @@ def simulate_serving(replicas: list[Replica], limits: BatchLimits, workload: Wor
             if not step.request_ids:
                 return
             stage, latency = _step_cost(replicas[r], step)
+            if woken:
+                wake = replicas[r].cost.wake_s
+                stage, latency, woken = stage + wake, latency + wake, False
             start = max(now, stage_free[r])
             in_flight[r] += 1
             stage_free[r] = start + stage
@@ -171,8 +175,9 @@ def simulate_serving(replicas: list[Replica], limits: BatchLimits, workload: Wor
             record = records[index]
             record.arrival_s = now
             record.replica = r
+            idle = in_flight[r] == 0 and not schedulers[r].running and not schedulers[r].waiting
             schedulers[r].add(record_ids[index], record.prompt_tokens, record.output_tokens)
-            start_steps(r, now)
+            start_steps(r, now, woken=idle)
         else:
             r, done = payload
             in_flight[r] -= 1

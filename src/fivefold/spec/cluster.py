@@ -63,6 +63,9 @@ class HostCosts:
     serve_layer: float = 0.0
     serve_attention_group: float = 0.0
     serve_worker_step: float = 0.0
+    # What the first step after the engine sleeps (no request to run) takes beyond the same step run right after
+    # another, in wall seconds: caches, TLBs and branch predictors refilled, the core woken.
+    serve_wake: float = 0.0
     # Of the time the serving probe was runnable, the share it spent on a core (local.CpuShare; 1 = it had a core
     # to itself): a run that gets a smaller share on a shared machine takes longer in proportion. 0 = not recorded.
     serve_cpu_share: float = 0.0
