@@ -168,6 +168,10 @@ SERVING = [
     ("estimate --serve --model llama3-8b --cluster 1x8xH100-SXM --output-len 5:inf", "--output-len='5:inf'"),
     ("estimate --serve --model llama3-8b --cluster 1x8xH100-SXM --ttft-slo nan", "--ttft-slo=nan: must be a finite"),
     ("estimate --serve --model llama3-8b --cluster 1x8xH100-SXM --kv-memory 1e300", "--kv-memory=1e+300: must be"),
+    ("estimate --serve --model llama3-8b --cluster 1x8xH100-SXM --gpu-memory-utilization 1.5",
+     "--gpu-memory-utilization=1.5: must be a fraction of the device's memory in (0, 1]"),
+    ("estimate --serve --model llama3-8b --cluster 1x8xH100-SXM --gpu-memory-utilization 0",
+     "--gpu-memory-utilization=0.0: must be a fraction"),
     ("simulate --serve --model llama3-8b --cluster 1x8xH100-SXM --trace {d}/missing.csv", "--trace='{d}/missing.csv'"),
     ("plan --serve --model llama3-8b --cluster 1x8xH100-SXM --replicas 0", "--replicas=0: must be at least 1"),
 ]
@@ -191,6 +195,7 @@ NEWER_FLAGS = [
     ("generate --from-hf {d}/hf_float_count --input {d}/in.jsonl --output {d}/o.jsonl --temperature nan",
      "--temperature=nan: must be a finite number"),
     ("serve --from-hf {d}/hf_float_count --port 99999", "--port=99999: must be in 0..65535"),
+    ("serve --from-hf {d}/hf_float_count --gpu-memory-utilization nan", "--gpu-memory-utilization=nan: must be a"),
 ]
 
 SIZES = [

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
+from fivefold.spec.serve import GPU_MEMORY_UTILIZATION
+
 if TYPE_CHECKING:
     from fivefold.cost.stack import SoftwareStack
     from fivefold.spec import ClusterSpec, ModelSpec, Plan, TrainSpec
@@ -274,6 +276,10 @@ def add_serve_layout_flags(parser: argparse.ArgumentParser, for_search: bool = F
                        help="GiB of KV cache per device (the blocks follow from the model and layout)")
     group.add_argument("--kv-dtype", choices=["bf16", "fp16", "fp32", "fp8"], default=None,
                        help="KV-cache dtype (default: the compute dtype)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                       help="GPU: the fraction of each device's memory the weights, activations and KV cache may "
+                            "use; the KV cache takes what is left of it after the weights (vLLM's meaning; "
+                            f"default: {GPU_MEMORY_UTILIZATION} on GPUs; --kv-blocks/--kv-memory override)")
 
 
 def add_workload_flags(parser: argparse.ArgumentParser, for_search: bool = False) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from fivefold.errors import SpecError
 from fivefold.spec.cluster import ClusterSpec
 from fivefold.spec.model import ModelSpec
-from fivefold.spec.serve import BatchLimits, ServeLayout
+from fivefold.spec.serve import BatchLimits, ServeLayout, check_gpu_memory_utilization
 from fivefold.spec.workload import Workload, load_trace, parse_length, parse_rate
 
 
@@ -61,6 +61,8 @@ def serve_inputs_from_args(args: argparse.Namespace) -> ServeInputs:
     kv_dtype = args.kv_dtype or ("bf16" if dtype == "fp8" else dtype)
     if args.kv_blocks is not None and args.kv_memory is not None:
         raise SpecError("--kv-blocks", args.kv_blocks, "give --kv-blocks or --kv-memory, not both")
+    if args.gpu_memory_utilization is not None:
+        check_gpu_memory_utilization(args.gpu_memory_utilization)
     if args.kv_memory is not None and not (math.isfinite(args.kv_memory) and args.kv_memory > 0):
         raise SpecError("--kv-memory", args.kv_memory, "must be a positive number of GiB")
     limits = BatchLimits(max_batch=_given(args.max_batch, 256), max_tokens_per_step=_given(args.max_tokens_per_step,

@@ -8,7 +8,7 @@ import os
 
 from fivefold.errors import SpecError, require
 from fivefold.spec import ModelSpec
-from fivefold.spec.serve import BatchLimits, ServeLayout, kv_blocks_for_memory
+from fivefold.spec.serve import BatchLimits, ServeLayout, check_gpu_memory_utilization, kv_blocks_for_memory
 
 RUNTIME_DTYPES = ("fp32", "bf16", "fp16")
 
@@ -51,6 +51,8 @@ def layout_from_serve_args(args: argparse.Namespace, model: ModelSpec) -> ServeL
     layout = ServeLayout(tp=tp, pp=pp, replicas=args.replicas or 1, ep=args.ep or 1, dtype=dtype,
                          kv_dtype=kv_dtype, limits=limits)
     layout.check_model(model)
+    if args.gpu_memory_utilization is not None:
+        check_gpu_memory_utilization(args.gpu_memory_utilization)
     require(args.memory_window >= 0, "--memory-window", args.memory_window, "must be 0 (off) or a number of layers")
     require(not args.memory_window or args.from_hf, "--memory-window", args.memory_window,
             "reads layers from a Hugging Face folder's safetensors files; give --from-hf (fivefold convert --to-hf "

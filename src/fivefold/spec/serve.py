@@ -20,6 +20,15 @@ SERVE_DTYPES = ("bf16", "fp16", "fp32", "fp8")  # fp8: FP8 weights and GEMMs (H1
 KV_DTYPES = ("bf16", "fp16", "fp32", "fp8")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 MAX_BLOCK_SIZE = 1024  # tokens per KV block; vLLM uses 16, a few kernels 32-256
+GPU_MEMORY_UTILIZATION = 0.9  # fraction of a GPU's memory the server may use (vLLM's default and meaning)
+
+
+def check_gpu_memory_utilization(fraction: float) -> float:
+    """--gpu-memory-utilization: a fraction in (0, 1], or a SpecError naming the flag."""
+    require(isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and math.isfinite(fraction)
+            and 0 < fraction <= 1, "--gpu-memory-utilization", fraction,
+            "must be a fraction of the device's memory in (0, 1], e.g. 0.9")
+    return float(fraction)
 
 
 @dataclass(frozen=True)
