@@ -73,7 +73,8 @@ class Generation:
             raise ApiError(400, "stop strings need the model folder's tokenizer", "stop")
         # With a seed, the tokens depend on (seed, position) only: the same request gives the same answer.
         seed, key = (body.seed, 0) if body.seed is not None else (secrets.randbits(32), number)
-        self.request = Request(self.id, prompt_ids, max_tokens, SamplingParams(body.temperature, body.top_p, seed, key),
+        params = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=seed, key=key)
+        self.request = Request(self.id, prompt_ids, max_tokens, params,
                                stop_check=self._stopped if self.stops else None,
                                on_token=self._on_token, on_finish=self._on_finish)
         self.done = False

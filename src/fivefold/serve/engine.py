@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from fivefold.batching import Scheduler, Step, pick_replica
 from fivefold.errors import SpecError
 from fivefold.serve.batch import StepBatch
-from fivefold.serve.sampling import SamplingParams, sample
+from fivefold.serve.sampling import SamplingParams, sample_rows
 from fivefold.spec.serve import ServeLayout
 
 
@@ -142,18 +142,16 @@ class Engine:
     def _finish_step(self, replica: int, step: Step, logits) -> None:
         now = self.clock()
         stopped: set[str] = set()
-        greedy = logits.argmax(-1).tolist()  # every row's greedy token in one call (sample() for the others)
-        row = 0
-        for request_id, sampled in zip(step.request_ids, step.samples):
-            if not sampled:
-                continue
-            request = self.requests.get(request_id)
-            row += 1
+        # The sampled rows in order; a request dropped since its step was submitted still has its row.
+        rows = [self.requests.get(request_id) for request_id, sampled in zip(step.request_ids, step.samples)
+                if sampled]
+        params = [r.params if r is not None else SamplingParams() for r in rows]
+        positions = [len(r.prompt_ids) + len(r.output_ids) if r is not None else 0 for r in rows]
+        tokens = sample_rows(logits, params, positions).token_ids.tolist()  # the step's one copy to the host
+        for request, token in zip(rows, tokens):
             if request is None or request.finish_reason == "abort":
                 continue
-            position = len(request.prompt_ids) + len(request.output_ids)
-            token = (greedy[row - 1] if request.params.temperature <= 0.0
-                     else sample(logits[row - 1], request.params, position))
+            request_id = request.request_id
             request.output_ids.append(token)
             self.generated_tokens += 1
             if request.first_token_at is None:

@@ -109,7 +109,8 @@ def run_generate(args: argparse.Namespace) -> dict | None:
                         max_context=source.spec.max_seq_len)
         if run is not None:
             executor.attach(engine)
-        requests = [Request(str(i), ids, count, SamplingParams(args.temperature, args.top_p, args.seed, i))
+        requests = [Request(str(i), ids, count,
+                            SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, key=i))
                     for i, (ids, count) in enumerate(zip(prompts, max_tokens))]
         progress = Progress(len(requests), f"generating {len(requests)} completions with {source.name} "
                             f"(tp {layout.tp} x pp {layout.pp} x {layout.replicas} replicas)", stream=sys.stderr)
