@@ -5,6 +5,12 @@
     -> each expert's SwiGLU/GeLU MLP on its rows -> back -> weighted sum over the top_k copies
     (+ shared experts every token visits).
 
+Experts run as three grouped GEMMs (`torch._grouped_mm`, as TorchTitan's MoE runs them: gate, up and down,
+each one launch over every local expert's rows) where that kernel runs: CUDA from sm90 in bf16. Elsewhere
+(CPU, older GPUs, fp32, a torch without it) a Python loop issues a GEMM per expert. `GroupedExperts.gemm`
+chooses: "auto" (that rule), "grouped" (also on CPU, where torch runs it in fp32: the parity tests) or
+"loop" (`fivefold train --expert-gemm`). Same math, so parity holds across the two.
+
 Dropless: every routed copy is computed, there is no capacity factor. The dispatcher is the only thing
 expert parallelism changes (runtime/expert_parallel.py swaps in an all-to-all one), so one code path
 serves every plan and parity with the single-process run is by construction.
@@ -81,6 +87,39 @@ class LocalDispatch:
         return rows
 
 
+# torch._grouped_mm's CUDA kernel is CUTLASS's Hopper (and later) grouped GEMM: compute capability 9.0 and up.
+GROUPED_MM_CAPABILITY = (9, 0)
+
+
+def has_grouped_mm() -> bool:
+    """This torch has torch._grouped_mm (2.8 and later)."""
+    return hasattr(torch, "_grouped_mm")
+
+
+def grouped_mm_on_cuda(device: torch.device | int | None = None) -> bool:
+    """torch._grouped_mm runs on this CUDA device (sm90 and later) with this torch."""
+    if not (has_grouped_mm() and torch.cuda.is_available()):
+        return False
+    return torch.cuda.get_device_capability(device) >= GROUPED_MM_CAPABILITY
+
+
+def cuda_compute_dtype(rows: torch.Tensor) -> torch.dtype:
+    """The dtype the expert GEMMs compute in on CUDA: bf16 under bf16 autocast, else the rows' own."""
+    if torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16:
+        return torch.bfloat16
+    return rows.dtype
+
+
+def expert_gemm_of(choice: str, rows: torch.Tensor) -> str:
+    """"grouped" or "loop": what runs for `choice` (auto | grouped | loop, --expert-gemm) on these rows. "auto" is grouped on CUDA where
+    torch._grouped_mm runs and the experts compute in bf16 (its CUDA kernel takes bf16 only), the loop elsewhere."""
+    if choice != "auto":
+        return choice
+    if rows.is_cuda and grouped_mm_on_cuda(rows.device) and cuda_compute_dtype(rows) == torch.bfloat16:
+        return "grouped"
+    return "loop"
+
+
 class GroupedExperts(nn.Module):
     """`experts` MLPs stored as stacked weights w1/w3 [E, f, h] and w2 [E, h, f] (nn.Linear's out x in
     per expert, so Hugging Face experts copy over as they are). Under expert parallelism these are
@@ -93,22 +132,51 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(e, f, h))
         self.w2 = nn.Parameter(torch.empty(e, h, f))
         self.w3 = nn.Parameter(torch.empty(e, f, h)) if self.swiglu else None
+        self.gemm = "auto"  # auto | grouped | loop: the runtime sets it from --expert-gemm
+        self.ran: str | None = None  # what the last forward ran: "grouped" or "loop"
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """`rows` grouped by local expert, counts[i] rows for local expert i."""
-        # unbind, not w1[index]: indexing's backward writes a zero-filled gradient of the whole [E, f, h]
-        # stack per expert (E^2 traffic, a third of an MoE step on CPU); unbind's stacks the E slices once.
-        w1, w2, w3 = (_local(w).unbind(0) if w is not None else None for w in (self.w1, self.w2, self.w3))
+        if not counts:
+            return rows.new_zeros(0, self.w2.shape[1])
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        self.ran = expert_gemm_of(self.gemm, rows)
+        # No rows at all: the loop's empty GEMMs still give every weight its (zero) gradient.
+        if self.ran == "grouped" and rows.shape[0]:
+            return self._grouped(rows, counts, w1, w2, w3)
+        return self._loop(rows, counts, w1, w2, w3)
+
+    def _loop(self, rows: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor,
+              w3: torch.Tensor | None) -> torch.Tensor:
+        """A GEMM per expert. unbind, not w1[index]: indexing's backward writes a zero-filled gradient of the whole
+        [E, f, h] stack per expert (E^2 traffic, a third of an MoE step on CPU); unbind's stacks the E slices once."""
+        up, down, gate = w1.unbind(0), w2.unbind(0), (w3.unbind(0) if w3 is not None else None)
         outputs = []
         for index, chunk in enumerate(rows.split(counts)):
-            if self.swiglu:
-                hidden = F.silu(chunk @ w1[index].T) * (chunk @ w3[index].T)
+            if gate is not None:
+                hidden = F.silu(chunk @ up[index].T) * (chunk @ gate[index].T)
             else:
-                hidden = F.gelu(chunk @ w1[index].T)
-            outputs.append(hidden @ w2[index].T)
-        if not outputs:
-            return rows.new_zeros(0, self.w2.shape[1])
+                hidden = F.gelu(chunk @ up[index].T)
+            outputs.append(hidden @ down[index].T)
         return torch.cat(outputs)
+
+    def _grouped(self, rows: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor,
+                 w3: torch.Tensor | None) -> torch.Tensor:
+        """One torch._grouped_mm per projection over every expert's rows (offsets: the end row of each expert).
+        On CUDA in bf16 (cast here under autocast, which does not cover the op), on CPU in the rows' dtype."""
+        dtype = cuda_compute_dtype(rows) if rows.is_cuda else rows.dtype
+        ends = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+        offsets = ends.to(rows.device, non_blocking=True)
+        x = rows.to(dtype)
+
+        def project(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return torch._grouped_mm(inputs, weight.to(dtype).transpose(-2, -1), offs=offsets)
+
+        if w3 is not None:
+            hidden = F.silu(project(x, w1)) * project(x, w3)
+        else:
+            hidden = F.gelu(project(x, w1))
+        return project(hidden, w2)
 
 
 def _local(weight: torch.Tensor | None) -> torch.Tensor | None:

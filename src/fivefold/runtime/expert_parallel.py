@@ -66,6 +66,12 @@ def moe_blocks(model: nn.Module) -> list[MoE]:
     return [module for module in model.modules() if isinstance(module, MoE)]
 
 
+def set_expert_gemm(model: nn.Module, choice: str) -> None:
+    """How the experts of every MoE block run (--expert-gemm: auto, grouped or loop; models/moe.py)."""
+    for block in moe_blocks(model):
+        block.experts.gemm = choice
+
+
 def moe_tensor_parallel_style(sequence_parallel: bool) -> PrepareModuleInput | None:
     """What tensor parallelism does to an MoE block: nothing without sequence parallel (the block cuts its
     replicated input itself); with it, the block takes this rank's part of the sequence as a plain tensor
@@ -182,7 +188,10 @@ def moe_step_metrics(parts: dict[int, nn.Module], plan: Plan, device: torch.devi
             step = model.router_bias_rate * torch.sign(load.mean() - load)
             block.expert_bias.add_(step.to(block.expert_bias.device, torch.float32))
     per_layer = _max_over_mean(loads).tolist()
+    ran = {block.experts.ran for block in blocks.values()} - {None}
     metrics = {"aux_loss": totals[-1].item(), "expert_load_max_over_mean": max(per_layer),
+               # what ran on this rank ("grouped" or "loop"; every rank decides alike), for the report's prediction
+               **({"expert_gemm": "grouped" if "grouped" in ran else "loop"} if ran else {}),
                "expert_load_per_layer": [round(v, 4) for v in per_layer],
                # token copies the experts computed per MoE layer: tokens x top_k when no rank repeats another's
                "expert_copies": int(loads.sum(dim=1).max().item())}
