@@ -140,9 +140,9 @@ class GroupedExperts(nn.Module):
         if not counts:
             return rows.new_zeros(0, self.w2.shape[1])
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
-        self.ran = expert_gemm_of(self.gemm, rows)
         # No rows at all: the loop's empty GEMMs still give every weight its (zero) gradient.
-        if self.ran == "grouped" and rows.shape[0]:
+        self.ran = expert_gemm_of(self.gemm, rows) if rows.shape[0] else "loop"
+        if self.ran == "grouped":
             return self._grouped(rows, counts, w1, w2, w3)
         return self._loop(rows, counts, w1, w2, w3)
 

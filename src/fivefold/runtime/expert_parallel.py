@@ -51,6 +51,24 @@ def check_moe_runnable(plan: Plan) -> None:
                 f"--seq-len divisible by cp x tp = {plan.cp * plan.tp}")
 
 
+def check_expert_gemm(plan: Plan, choice: str, device: str) -> None:
+    """--expert-gemm grouped|loop: an MoE model, and for grouped a torch and device whose torch._grouped_mm runs
+    (CUDA: sm90+ in bf16; CPU: fp32)."""
+    from fivefold.models.moe import grouped_mm_on_cuda, has_grouped_mm
+
+    require(plan.model.is_moe, "--expert-gemm", choice, f"chooses how MoE experts run; {plan.model.name} is dense "
+            "(no experts): leave it out")
+    if choice != "grouped":
+        return
+    require(has_grouped_mm(), "--expert-gemm", choice, f"torch {torch.__version__} has no torch._grouped_mm (2.8 "
+            "and later have it); use --expert-gemm loop")
+    if device == "cuda":
+        require(grouped_mm_on_cuda(), "--expert-gemm", choice, "torch._grouped_mm needs a GPU of compute capability "
+                "9.0 or newer (H100, H200, B200); use --expert-gemm loop")
+        require(plan.train.dtype != "fp32", "--expert-gemm", choice, "torch._grouped_mm computes in bf16 on CUDA; "
+                "train in bf16 (or fp8), or use --expert-gemm loop with fp32")
+
+
 def folds_experts(plan: Plan) -> bool:
     """Whether the MoE layers need the expert view of the world: experts split (ep, etp) or tokens split
     over tp (then expert gradients are summed over edp, which spans tp)."""
