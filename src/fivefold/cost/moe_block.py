@@ -17,7 +17,10 @@ mean; every other rank waits for it at the combine):
   every routed copy forward, and both again backward, on the ep group's slowest link;
 - experts: experts / ep local experts as one grouped GEMM each for the up (gate) and down projections, or a GEMM
   per expert as the stack launches them (expert_gemms), at the tile efficiency of the rows each local expert
-  actually gets (cost/kernels.py), and the activation;
+  actually gets (cost/kernels.py), and the activation. fivefold's own experts run as torch._grouped_mm on sm90+
+  GPUs (grouped_gemm_time, fitted on measured H200 grouped GEMMs) and as its loop elsewhere (runs_grouped_mm).
+  With a skewed router (TrainSpec.expert_load, the busiest expert over the mean) the rows crowd onto
+  experts / load experts (active_experts): fewer, taller GEMMs, and the others' launches run empty;
 - shared experts: a dense MLP of width shared_experts x expert_ffn_hidden on every token.
 Two dispatcher variants the MoE Parallel Folding paper's runs used: token dropping at a capacity factor
 (stack.moe_drops_tokens: the router's capacity mask, the sync before the first permutation) and Megatron-Core
@@ -29,10 +32,11 @@ local experts becomes launch-bound when the stack's seconds per kernel times tho
 
 from __future__ import annotations
 
+import copy
 from typing import Callable, NamedTuple
 
 from fivefold.cost.comm import GroupLink, all_gather_time, all_reduce_time, all_to_all_time, reduce_scatter_time
-from fivefold.cost.compute import Device
+from fivefold.cost.compute import Device, gemm_time
 from fivefold.cost.moe import all_to_all_bytes, moe_block_ops, routed_rows
 from fivefold.cost.passwork import PassWork, fp8_linear, mlp
 from fivefold.cost.stack import SoftwareStack
@@ -70,6 +74,47 @@ TE_FP8_HOST_OPS_PER_EXPERT = (4, 4)
 # rows (TE's fused_multi_row_padding: read and write, transformer_engine/pytorch/module/fp8_padding.py); the
 # backward unpads and pads the gradients. Row passes of hidden elements (each a read and a write), each way.
 TE_FP8_PADDING_PASSES = 4
+
+
+# torch._grouped_mm on the GPUs whose torch runs it (CUTLASS's sm90+ grouped GEMM; models/moe.py GROUPED_MM_CAPABILITY).
+GROUPED_MM_DEVICES = frozenset({"H100-SXM", "H100-PCIe", "H100-96GB", "H200", "B200"})
+# One grouped GEMM over E experts of T rows each, x[E*T, K] by w[E, K, N], as a roofline of its tiles' compute and
+# the weights and rows it moves, fitted on reference/measured/h200_grouped.csv (H200, torch 2.11, 16 shapes: 8 to
+# 128 experts, 16 to 1024 rows each; every one within 10%, mean 5.8%): an expert's rows fill tiles of 64 rows,
+# which run at 0.96 of the device's large-GEMM rate; weights and rows move at 0.78 of its achievable bandwidth.
+# Few rows per expert leave it bound by reading every expert's weights (16 rows: 42 TFLOP/s; 1024: 706).
+GROUPED_TILE_ROWS = 64
+GROUPED_COMPUTE_SHARE = 0.96
+GROUPED_BANDWIDTH_SHARE = 0.78
+
+
+def runs_grouped_mm(stack: SoftwareStack, device: Device) -> bool:
+    """Whether the stack's experts run as torch._grouped_mm on this device (SoftwareStack.grouped_mm_experts):
+    fivefold's on the GPUs of GROUPED_MM_DEVICES in bf16 (fp8 training keeps its experts in BF16)."""
+    if stack.grouped_mm_experts == "always":
+        return True
+    return stack.grouped_mm_experts == "gpu" and device.spec.name in GROUPED_MM_DEVICES and device.element_bytes == 2
+
+
+def grouped_gemm_time(device: Device, rows: int, n: int, k: int, experts: int, row_tiles: bool = True) -> float:
+    """Seconds of one grouped GEMM: `experts` groups of y[rows, n] = x[rows, k] w[k, n]. `row_tiles`: the rows are
+    an output dimension, cut into GROUPED_TILE_ROWS-row tiles (forward, dgrad); False for the weight gradient,
+    where they are the contraction. Off the fitted GPUs (a CPU with --expert-gemm grouped) the batched GEMM of
+    cost/compute.py."""
+    if rows <= 0:
+        return device.latency
+    if device.spec.name not in GROUPED_MM_DEVICES:
+        return gemm_time(device, rows, n, k, experts)
+    padded = -(-rows // GROUPED_TILE_ROWS) * GROUPED_TILE_ROWS if row_tiles else rows
+    compute = 2.0 * experts * padded * n * k / (device.gemm_peak * GROUPED_COMPUTE_SHARE)
+    moved = experts * (n * k + rows * (n + k)) * device.element_bytes
+    return max(compute, moved / (device.bandwidth * GROUPED_BANDWIDTH_SHARE)) + device.latency
+
+
+def active_experts(experts: int, load: float) -> int:
+    """Experts that get rows when the busiest gets `load` x the mean (TrainSpec.expert_load): the rows crowd onto
+    experts / load of them (load E / top_k: every token to the same top_k experts)."""
+    return max(1, min(experts, round(experts / max(1.0, load))))
 
 
 class MoETerms(NamedTuple):
@@ -130,13 +175,27 @@ def dispatch_time(tokens: int, model: ModelSpec, element_bytes: int, imbalance: 
 
 
 def expert_gemms(work: PassWork, device: Device, stack: SoftwareStack, rows: int, hidden: int, width: int,
-                 swiglu: bool, experts: int) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+                 swiglu: bool, experts: int, load: float = 1.0
+                 ) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
     """The local experts' MLPs: one grouped launch whose tiles share the waves (stack.grouped_gemm_streams 0), or
     one GEMM per expert with `streams` of them running side by side (Transformer Engine's GroupedLinear:
     nvte_multi_stream_cublas_gemm issues a cuBLAS GEMM per expert over its compute streams; fivefold's
     GroupedExperts: one expert after the other on one stream), so only the tiles of `streams` experts share a
     wave. Same FLOPs; the difference is the wave quantization of few rows per expert. Every expert has the same
-    rows here, so a group of `streams` experts is costed once and counted as often as it runs."""
+    rows here, so a group of `streams` experts is costed once and counted as often as it runs. fivefold's
+    torch._grouped_mm (runs_grouped_mm): three grouped GEMMs (_grouped_expert_mlp). `load`: the rows crowd onto
+    active_experts of them; the rest launch with none (their GEMMs a launch latency each)."""
+    active = active_experts(experts, load)
+    rows = max(1, round(rows * experts / active))
+    if not stack.fp8_experts and device.fp8_gemm_peak > 0:  # the experts stay in BF16 under FP8 training
+        device = copy.copy(device)
+        device.fp8_gemm_peak = 0.0
+    if runs_grouped_mm(stack, device):
+        return _grouped_expert_mlp(work, device, rows, hidden, width, swiglu, active)
+    if active < experts:  # the empty experts' GEMMs (forward, dgrad and wgrad each): launches, no rows
+        empty = (experts - active) * (3 if swiglu and stack.expert_gate_separate else 2)
+        work.elementwise(device, 0.0, 0.0, empty, 2 * empty)
+    experts = active
     streams = stack.grouped_gemm_streams
     if streams <= 0 or (streams >= experts and not stack.expert_gate_separate):
         return mlp(work, device, stack, rows, hidden, width, swiglu, experts)
@@ -146,6 +205,31 @@ def expert_gemms(work: PassWork, device: Device, stack: SoftwareStack, rows: int
         last = _repeated(work, 1, lambda into: _expert_mlp(into, device, stack, rows, hidden, width, swiglu, rest))
         sums = [a + b for a, b in zip(sums, last)]
     return (sums[0], sums[1], sums[2]), (sums[3], sums[4], sums[5])
+
+
+def _grouped_expert_mlp(work: PassWork, device: Device, rows: int, hidden: int, width: int, swiglu: bool,
+                        experts: int) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """models/moe.py's grouped experts: torch._grouped_mm for the gate, the up (SwiGLU) and the down projection,
+    forward, dgrad and wgrad each a grouped GEMM (grouped_gemm_time), and the activation between."""
+
+    def linear(k: int, n: int) -> tuple[float, float, float]:
+        forward = grouped_gemm_time(device, rows, n, k, experts)
+        dgrad = grouped_gemm_time(device, rows, k, n, experts)
+        wgrad = grouped_gemm_time(device, rows, n, k, experts, row_tiles=False)
+        work.forward += forward
+        work.linear_forward += forward
+        work.backward_input += dgrad
+        work.backward_weight += wgrad
+        work.forward_kernels += 1
+        work.backward_kernels += 2
+        return forward, dgrad, wgrad
+
+    gate = linear(hidden, width)
+    up = linear(hidden, width) if swiglu else (0.0, 0.0, 0.0)
+    e, activation = device.element_bytes, rows * experts * width
+    work.elementwise(device, activation * (3 if swiglu else 2) * e, activation * (5 if swiglu else 3) * e)
+    down = linear(width, hidden)
+    return (gate[0] + up[0], gate[1] + up[1], gate[2] + up[2]), down
 
 
 def _expert_mlp(work: PassWork, device: Device, stack: SoftwareStack, rows: int, hidden: int, width: int,
@@ -231,9 +315,12 @@ def _seconds(work: PassWork) -> float:
 
 
 def moe_mlp(work: PassWork, model: ModelSpec, split: MoETokens, ep: int, imbalance: float, device: Device,
-            stack: SoftwareStack, ep_link: GroupLink, sequence_tp: GroupLink | None = None) -> MoEBlock:
+            stack: SoftwareStack, ep_link: GroupLink, sequence_tp: GroupLink | None = None,
+            load: float = 1.0) -> MoEBlock:
     """Add one MoE block (router to combine) to `work` for the tokens and expert split of `split`.
-    `sequence_tp`: the tp group of a sequence-level dispatcher (sequence_dispatch_copies; None: token-level)."""
+    `sequence_tp`: the tp group of a sequence-level dispatcher (sequence_dispatch_copies; None: token-level).
+    `load`: the busiest expert's tokens over the mean (TrainSpec.expert_load); with ep > 1 the part of it the
+    busiest rank's imbalance does not already account for skews that rank's own experts."""
     m, e, h, tokens = model, device.element_bytes, model.hidden, split.routed
     kernels = work.forward_kernels, work.backward_kernels
     marks = [_seconds(work)]
@@ -281,8 +368,9 @@ def moe_mlp(work: PassWork, model: ModelSpec, split: MoETokens, ep: int, imbalan
         work.collective("ep", counts + 2 * dispatch, 2 * dispatch)
     mark()
     swiglu = m.mlp == "swiglu"
+    within = load / imbalance if ep > 1 else load
     up, down = expert_gemms(work, device, stack, per_expert, h, m.expert_ffn_hidden // split.split, swiglu,
-                            local_experts)
+                            local_experts, within)
     if stack.grouped_gemm_streams > 1 and device.fp8_gemm_peak > 0:  # TE's FP8 GroupedLinear: padded rows
         padded = TE_FP8_PADDING_PASSES * busiest * h * e
         work.elementwise(device, padded, padded, 2, 2)
@@ -291,7 +379,7 @@ def moe_mlp(work: PassWork, model: ModelSpec, split: MoETokens, ep: int, imbalan
         mlp(work, device, stack, tokens, h, m.shared_experts * m.expert_ffn_hidden // split.shared_split, swiglu)
     mark()
     # Launches: the dense MLP's (up, activation, down; five backward) plus what the eager MoE block adds.
-    extra_forward, extra_backward = moe_block_ops(m, local_experts)
+    extra_forward, extra_backward = moe_block_ops(m, local_experts, runs_grouped_mm(stack, device))
     if stack.grouped_gemm_streams > 1 and device.fp8_gemm_peak > 0:  # TE's multi-stream FP8 GroupedLinear
         extra_forward += TE_FP8_HOST_OPS_PER_EXPERT[0] * local_experts
         extra_backward += TE_FP8_HOST_OPS_PER_EXPERT[1] * local_experts

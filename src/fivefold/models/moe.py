@@ -231,16 +231,19 @@ class MoE(nn.Module):
         # over the global batch like the token loss; None = a mean over this call's sequences.
         self.aux_loss_scale: float | None = None
         self.moe_layers = spec.moe_layers
-        # Since the last take_stats(): tokens routed to each expert, and the summed auxiliary loss.
+        # Since the last take_stats(): tokens routed to each expert, and the summed auxiliary loss (both on the
+        # block's device, read once a step).
         self.load: torch.Tensor | None = None  # made on first use (the module is built on meta)
-        self.aux_loss_sum = 0.0
+        self.aux_loss_sum: torch.Tensor | float = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.tokens.scatter(x)
         batch, seq, hidden = x.shape
         tokens = x.reshape(-1, hidden)
-        # Routing in fp32 whatever the compute dtype: top-k choices must not flip with bf16 rounding.
-        logits = F.linear(tokens.float(), self.synced(self.router.weight).float())
+        # Routing in fp32 whatever the compute dtype: top-k choices must not flip with bf16 rounding. Autocast
+        # (one GPU, fp32 weights) would run this linear in bf16 whatever its inputs are, so it is switched off here.
+        with torch.autocast(tokens.device.type, enabled=False):
+            logits = F.linear(tokens.float(), self.synced(self.router.weight).float())
         scores = logits.softmax(dim=-1)
         chooser = scores if self.expert_bias is None else scores + self.expert_bias
         chosen = chooser.topk(self.top_k, dim=-1).indices  # [tokens, top_k]
@@ -271,8 +274,8 @@ class MoE(nn.Module):
             self.load = counted if self.load is None else self.load + counted
         if self.aux_loss_coef > 0 and torch.is_grad_enabled():
             aux = self.aux_loss(scores, chosen, batch, seq)
-            if recording:
-                self.aux_loss_sum += aux.item()
+            if recording:  # kept on the device: a .item() here would make the CPU wait for the GPU every layer
+                self.aux_loss_sum = self.aux_loss_sum + aux.detach().double()
             out = AuxLossToGrad.apply(out, aux)
         return self.tokens.gather(out)
 
@@ -290,8 +293,9 @@ class MoE(nn.Module):
         scale = self.aux_loss_scale if self.aux_loss_scale is not None else 1.0 / (self.moe_layers * batch)
         return self.aux_loss_coef * per_sequence.sum() * scale
 
-    def take_stats(self) -> tuple[torch.Tensor, float]:
-        """Tokens per expert and the summed auxiliary loss recorded since the last call; resets both."""
+    def take_stats(self) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """Tokens per expert and the summed auxiliary loss recorded since the last call (tensors on the block's
+        device, or 0.0 when nothing was recorded); resets both."""
         load = self.load if self.load is not None else torch.zeros(self.experts_count, dtype=torch.float64)
         aux = self.aux_loss_sum
         self.load, self.aux_loss_sum = None, 0.0

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from fivefold.data import write_data_caches
 from fivefold.errors import require
 from fivefold.runtime.config import RunConfig
+from fivefold.runtime.expert_parallel import balance_warning
 from fivefold.runtime.launch import check_data, check_runnable, prepare_run_dir, resolve_device, torchrun_world
 from fivefold.spec import Plan
 
@@ -56,6 +57,8 @@ def prepare_run(plan: Plan, config: RunConfig, *, nproc: int | None, plan_file: 
             say(line)
     check_runnable(plan, world, device, gpus, local_nproc)
     check_precision_flags(plan, config, device)
+    if is_rank0 and (line := balance_warning(plan.model)):
+        warn(line)
     config.diloco(plan)  # --dp-sync diloco against this plan: the outer groups must split its dp
     if plan.vocab_parallel:
         require(config.dp_sync == "sync", "--vocab-parallel", True, "runs with --dp-sync sync only")

@@ -36,8 +36,8 @@ from fivefold.runtime.context_parallel import (apply_context_parallel, data_para
                                                shard_batch, split_micro_batches)
 from fivefold.runtime.elastic_run import ElasticRun
 from fivefold.runtime.evaluate import Evaluator
-from fivefold.runtime.expert_parallel import (forget_metadata_inference, moe_step_metrics, prepare_moe,
-                                              sequence_split, set_expert_gemm)
+from fivefold.runtime.expert_parallel import (CollapseWatch, describe_collapse, forget_metadata_inference,
+                                              moe_step_metrics, prepare_moe, sequence_split, set_expert_gemm)
 from fivefold.runtime.float8 import convert_to_float8
 from fivefold.runtime.knobs import NO_KNOBS, FaultKnobs
 from fivefold.runtime.mesh import Mesh, build_mesh, init_distributed, pick_device
@@ -250,6 +250,7 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
     progress = Progress(config.steps, f"training {plan.model.name}: {plan.describe()} on {plan.world_size} "
                         f"{device.type} process(es)", stream) if is_rank0 and config.show_progress else None
     history: list[dict] = []
+    collapse = CollapseWatch(plan.model) if plan.model.is_moe else None
     step = first_step
     while step < config.steps:
         meter.start()
@@ -292,6 +293,11 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
             record.update(evaluator.evaluate(step_model, rows, mesh.coords["cp"], mesh.coords["tp"],
                                              end_of_document, groups))
         history.append(record)
+        if collapse is not None and is_rank0:  # reported in the run's events (RUN/events.jsonl) and on the log
+            for found in collapse.observe(step + 1, record["expert_busiest"]):
+                elastic.events.write("expert_collapse", step=step + 1, **found)
+                if log is not None:
+                    log(describe_collapse(found, plan.model))
         if is_rank0:
             metrics.write(record)
             if progress is not None:
