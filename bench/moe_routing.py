@@ -3,13 +3,14 @@ representative MoE (64 experts, top-8, as Qwen3-30B-A3B's layer) trained on CPU,
 
     data       the built-in byte corpus, or uniformly random bytes
     router     fp32 routing (the runtime's), or the logits in bf16 as under CUDA autocast before the fix
-    init       the router initialised like every matrix (std 0.02), or with std 0.02 / sqrt(hidden / 64)
+    init       token embeddings at std 1 (fivefold's init) or 0.02 (its init before: drowned at init by the attention
+               branch's nearly token-independent output); the router at std 0.02 or a quarter of it
     aux        the auxiliary loss coefficient (0 or 0.01)
 
 It prints, per variant, the worst layer's load each step (1 = balanced, experts / top_k = every token to the same
 top_k experts) and the share of tokens whose chosen set equals the most common set. Single process, fp32 on CPU.
 
-    PYTHONPATH=src python bench/moe_routing.py            # ~2 minutes on 2 cores
+    PYTHONPATH=src python bench/moe_routing.py            # ~4 minutes on 2 cores
     SMALL=1 PYTHONPATH=src python bench/moe_routing.py    # 3 steps, a smaller model
 """
 
@@ -79,10 +80,10 @@ def run(name: str, data: str, router: str, init: str, aux: float) -> list[tuple[
     if init == "scaled":
         with torch.no_grad():
             for block in (m for m in model.modules() if isinstance(m, MoE)):
-                block.router.weight.mul_((64 / spec.hidden) ** 0.5)
-    if init == "embedding-1":  # TorchTitan's Llama: nn.init.normal_(tok_embeddings.weight), std 1
+                block.router.weight.mul_(0.25)
+    if init in ("embedding-0.02", "scaled"):  # fivefold's init before: token embeddings at std 0.02 like the rest
         with torch.no_grad():
-            model.tok_embeddings.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(0))
+            model.tok_embeddings.weight.mul_(0.02 / model.tok_embeddings.weight.std())
     blocks = [m for m in model.modules() if isinstance(m, MoE)]
     for block in blocks:
         block.aux_loss_scale = 1.0 / (spec.moe_layers * BATCH)
@@ -110,15 +111,15 @@ def run(name: str, data: str, router: str, init: str, aux: float) -> list[tuple[
     return history
 
 
-VARIANTS = {  # name -> (data, router, init, aux)
-    "corpus, embeddings 0.02, aux 0.01": ("corpus", "fp32", "default", 0.01),
-    "corpus, embeddings 0.02, aux 0": ("corpus", "fp32", "default", 0.0),
-    "random, embeddings 0.02, aux 0.01": ("random", "fp32", "default", 0.01),
-    "corpus, embeddings 0.02, bf16 logits": ("corpus", "bf16", "default", 0.01),
+VARIANTS = {  # name -> (data, router, init, aux); "embeddings 1" is fivefold's init (models/init.py EMBEDDING_STD)
+    "corpus, embeddings 0.02, aux 0.01": ("corpus", "fp32", "embedding-0.02", 0.01),
+    "corpus, embeddings 0.02, aux 0": ("corpus", "fp32", "embedding-0.02", 0.0),
+    "random, embeddings 0.02, aux 0.01": ("random", "fp32", "embedding-0.02", 0.01),
+    "corpus, embeddings 0.02, bf16 logits": ("corpus", "bf16", "embedding-0.02", 0.01),
     "corpus, embeddings 0.02, router / 4": ("corpus", "fp32", "scaled", 0.01),
-    "corpus, embeddings 1, aux 0.01": ("corpus", "fp32", "embedding-1", 0.01),
-    "corpus, embeddings 1, aux 0": ("corpus", "fp32", "embedding-1", 0.0),
-    "random, embeddings 1, aux 0.01": ("random", "fp32", "embedding-1", 0.01),
+    "corpus, embeddings 1, aux 0.01": ("corpus", "fp32", "default", 0.01),
+    "corpus, embeddings 1, aux 0": ("corpus", "fp32", "default", 0.0),
+    "random, embeddings 1, aux 0.01": ("random", "fp32", "default", 0.01),
 }
 
 
