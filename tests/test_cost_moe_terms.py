@@ -13,7 +13,8 @@ from fivefold.cost import estimate, stack_named
 from fivefold.cost.comm import all_to_all_time, topology_of
 from fivefold.cost.compute import elementwise_time, gemm_time
 from fivefold.cost.layout import Layout, layer_costs, rank_envs
-from fivefold.cost.moe_block import HOST_SYNC_SECONDS, KERNELS_AFTER_SYNC, active_experts, grouped_gemm_time
+from fivefold.cost.moe_block import HOST_SYNC_SECONDS, KERNELS_AFTER_SYNC
+from fivefold.cost.moe_experts import active_experts, grouped_gemm_time
 from fivefold.cost.compute import Device
 from fivefold.cost.stack import with_expert_gemm
 from fivefold.spec.devices import device_named

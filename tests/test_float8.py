@@ -136,3 +136,22 @@ def test_bad_fp8_and_expert_flags_stop_before_any_worker(argv, message, capsys, 
     err = capsys.readouterr().err.strip()
     assert err.startswith(message) and len(err.splitlines()) == 1, err
     assert not launched and not metrics.parent.exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < float8.FP8_CAPABILITY,
+                    reason="needs a CUDA GPU with FP8 tensor cores (sm89+)")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_cuda_fp8_linear_is_close_to_bf16_and_trains(recipe):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 512, bias=False, device="cuda", dtype=torch.bfloat16)
+    fp8 = Float8Linear(256, 512, bias=False, device="cuda", dtype=torch.bfloat16)
+    fp8.weight, fp8.recipe = linear.weight, recipe
+    x = torch.randn(4, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    expected, got = linear(x), fp8(x)
+    assert got.dtype == torch.bfloat16
+    assert ((got - expected).float().norm() / expected.float().norm()).item() < 0.08
+    got.float().square().mean().backward()
+    assert x.grad.dtype == torch.bfloat16 and fp8.weight.grad is not None and fp8.weight.grad.isfinite().all()
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # one GPU: fp32 weights under autocast write bf16
+        assert Float8Linear(256, 512, bias=False, device="cuda")(x.float()).dtype == torch.bfloat16

@@ -74,3 +74,25 @@ def test_cuda_grouped_bf16_matches_the_loop():
         fp32 = experts_of(SWIGLU, "cuda")
         assert expert_gemm_of("auto", rows.float()) == "grouped"
         assert fp32(rows.float(), counts).dtype == torch.bfloat16
+
+
+def test_grouped_is_refused_where_torch_grouped_mm_cannot_run(monkeypatch):
+    """--expert-gemm grouped on CUDA needs sm90+ and bf16; a torch without the op cannot run it anywhere."""
+    from fivefold.errors import SpecError
+    from fivefold.models import moe
+    from fivefold.runtime.expert_parallel import check_expert_gemm
+    from fivefold.spec import PRESETS, Plan, TrainSpec, parse_cluster
+
+    plan = Plan(model=PRESETS["tiny-moe"], cluster=parse_cluster("1x1xH100"), train=TrainSpec(seq_len=32))
+    monkeypatch.setattr(moe, "grouped_mm_on_cuda", lambda device=None: False)
+    with pytest.raises(SpecError, match="needs a GPU of compute capability 9.0 or newer"):
+        check_expert_gemm(plan, "grouped", "cuda")
+    monkeypatch.setattr(moe, "grouped_mm_on_cuda", lambda device=None: True)
+    check_expert_gemm(plan, "grouped", "cuda")
+    fp32 = plan.replace(train=TrainSpec(seq_len=32, dtype="fp32"))
+    with pytest.raises(SpecError, match="computes in bf16 on CUDA"):
+        check_expert_gemm(fp32, "grouped", "cuda")
+    check_expert_gemm(fp32, "loop", "cuda")
+    monkeypatch.setattr(moe, "has_grouped_mm", lambda: False)
+    with pytest.raises(SpecError, match="has no torch._grouped_mm"):
+        check_expert_gemm(plan, "grouped", "cpu")

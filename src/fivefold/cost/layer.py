@@ -22,8 +22,9 @@ from fivefold.cost.comm import SELF, GroupLink, all_gather_time, all_reduce_time
 from fivefold.cost.context import context_parallel_comm
 from fivefold.cost.compute import Device, elementwise_time, flash_attention_time, gemm_time
 from fivefold.cost.moe import split_by_layer_kind
-from fivefold.cost.moe_block import (etp_exchange, moe_mlp, moe_tokens, runs_grouped_mm, sequence_dispatch_group,
+from fivefold.cost.moe_block import (etp_exchange, moe_mlp, moe_tokens, sequence_dispatch_group,
                                      tp_split_block_comm)
+from fivefold.cost.moe_experts import runs_grouped_mm
 from fivefold.cost.passwork import ZERO_PASS, PassCost, PassWork, fp8_linear, mlp
 
 __all__ = ["ZERO_PASS", "LayerShape", "PassCost", "embedding_cost", "head_cost", "layer_cost", "padded_vocab"]
