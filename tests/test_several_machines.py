@@ -69,4 +69,4 @@ def test_two_torchrun_agents_train_the_same_losses_as_one_launcher(tmp_path):
         assert agent.returncode == 0, err[-3000:]
     one, two = metrics_losses(tmp_path / "one" / "metrics.jsonl"), metrics_losses(tmp_path / "two" / "metrics.jsonl")
     assert len(one) == 2 and two == pytest.approx(one, rel=1e-6)
-    assert one[0] == pytest.approx(5.587641, rel=1e-5)  # the step-1 loss of every parity plan
+    assert one[0] == pytest.approx(5.594324, rel=1e-5)  # the step-1 loss of every parity plan

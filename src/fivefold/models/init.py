@@ -17,12 +17,13 @@ from torch import nn
 from fivefold.models.transformer import Transformer
 
 INIT_STD = 0.02  # GPT-2 / Llama initialiser range
-# Untied token embeddings of RoPE (Llama-style) models: std 1, as TorchTitan's Llama and DeepSeek-V3 initialise
-# them (nn.init.normal_). At 0.02 the embeddings are drowned at init by the attention branch, whose output is
-# nearly the same average for every token, so every token reaches an MoE router with nearly the same input and
+# Untied token embeddings of Llama-style (RoPE) MoE models: std 1, as TorchTitan initialises its Llama and MoE
+# models (nn.init.normal_). At 0.02 the embeddings are drowned at init by the attention branch, whose output is
+# nearly the same average for every token, so every token reaches the MoE router with nearly the same input and
 # all go to the same experts; the auxiliary loss cannot undo that (docs/moe.md, "Why the expert load collapsed",
-# bench/moe_routing.py). GPT-style models (learned positions, whose 0.02 table would be drowned instead) and tied
-# embeddings (the LM head's logits would grow with sqrt(hidden)) keep GPT-2's 0.02.
+# bench/moe_routing.py). Dense models keep GPT-2's 0.02 (measured both ways on the built-in corpus: tiny learns a
+# little slower at std 1, small faster; nothing to mend there), as do GPT-style models (learned positions, whose
+# 0.02 table would be drowned instead) and tied embeddings (the LM head's logits would grow with sqrt(hidden)).
 EMBEDDING_STD = 1.0
 
 # Wrappers that insert a path component without changing the model (activation checkpointing,
@@ -50,7 +51,7 @@ def _find_transformer(model: nn.Module) -> Transformer:
 
 def embedding_std(spec) -> float:
     """The std of the token embedding's initial values (EMBEDDING_STD's rule)."""
-    return EMBEDDING_STD if spec.position == "rope" and not spec.tied_embeddings else INIT_STD
+    return EMBEDDING_STD if spec.is_moe and spec.position == "rope" and not spec.tied_embeddings else INIT_STD
 
 
 def _full_tensor(name: str, module: nn.Module, leaf: str, shape: torch.Size, seed: int, layers: int,
