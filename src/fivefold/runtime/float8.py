@@ -1,12 +1,13 @@
 """FP8 training of the block linears (`fivefold train --dtype fp8`): FP8 GEMMs through `torch._scaled_mm` with
 dynamic scaling, in one small autograd function; BF16 everywhere else.
 
-Why not torchao's float8 training, which TorchTitan uses: the project would depend on a torchao release that
-matches two torch minors at once (torch 2.13 here, 2.11 on the GPU image), and torchao builds each release against
-one torch (its C++ extension and its float8 code follow torch's private FP8 ops), so it would travel as a pinned
-wheel per image; its float8 linear also composes with DTensor tensor parallelism through its own tensor subclass.
-What fivefold needs of it is one GEMM call with two scales, so the same recipes are written here over
-`torch._scaled_mm`, which both torch versions have (on CPU too in 2.13: the tests run the numerics there).
+Why not torchao's float8 training, which TorchTitan uses: torchao 0.18.0 (the newest release) does import with
+torch 2.13 here and its `convert_to_float8_training` trains on CPU, but its compiled extension does not load against
+this torch (it warns and goes on), and whether the same wheel runs on the GPU image's torch 2.11 cannot be checked
+without a GPU; each torchao release is built against one torch, so the project would carry a wheel per image and
+a dependency for what is one GEMM call with two scales per tensor. `torch._scaled_mm` is in both torch versions
+(on CPU too in 2.13: the tests run the numerics there), so the same recipes are written here over it, and they
+compose with fivefold's DTensor tensor parallelism on local shards (below).
 
 Recipes (torchao's names, the same math):
 - tensorwise: one scale per tensor from its amax now (dynamic scaling), `scale = fp8_max / amax`; input and weight
