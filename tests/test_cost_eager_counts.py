@@ -25,8 +25,10 @@ VARIANTS = {
 }
 
 
-def _dispatched_ops(spec: ModelSpec, layers: int, first: bool, last: bool) -> tuple[int, int]:
-    """(forward, backward) aten ops of a stage model of the runtime with its loss, counted by torch."""
+def _dispatched_ops(spec: ModelSpec, layers: int, first: bool, last: bool, expert_gemm: str = "auto"
+                    ) -> tuple[int, int]:
+    """(forward, backward) aten ops of a stage model of the runtime with its loss, counted by torch; `expert_gemm`:
+    how its MoE experts run (models/moe.py)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -42,6 +44,9 @@ def _dispatched_ops(spec: ModelSpec, layers: int, first: bool, last: bool) -> tu
 
     model = build_model(dataclasses.replace(spec, layers=layers), device="cpu")
     init_weights(model, 0)
+    for block in model.modules():
+        if hasattr(block, "experts"):
+            block.experts.gemm = expert_gemm
     if not first:
         model.tok_embeddings = model.pos_embeddings = None
     if not last:
@@ -70,6 +75,17 @@ def test_eager_op_counts_match_the_runtime_modules(name):
     last = _dispatched_ops(spec, 1, False, True)
     assert (last[0] - ops.layer_forward, last[1] - ops.layer_backward) == (
         ops.stage_forward + ops.head_forward, ops.head_backward)
+
+
+@pytest.mark.parametrize("name", ["moe", "moe-gpt"])
+def test_grouped_experts_dispatch_a_fixed_count_whatever_the_experts(name):
+    """torch._grouped_mm experts (cost/moe.py MOE_GROUPED_EXPERT_OPS): the same count for 4 and 8 experts."""
+    for experts in (4, 8):
+        spec = dataclasses.replace(VARIANTS[name], experts=experts)
+        ops = eager_ops(spec, grouped_experts=True)
+        one = _dispatched_ops(spec, 1, True, True, "grouped")
+        two = _dispatched_ops(spec, 2, True, True, "grouped")
+        assert (two[0] - one[0], two[1] - one[1]) == (ops.layer_forward, ops.layer_backward)
 
 
 def _elementwise_traffic(spec: ModelSpec, layers: int, tokens: int) -> tuple[float, float]:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -12,9 +14,18 @@ from fivefold.cost.comm import all_to_all_time, topology_of
 from fivefold.cost.compute import elementwise_time, gemm_time
 from fivefold.cost.layout import Layout, layer_costs, rank_envs
 from fivefold.cost.moe_block import HOST_SYNC_SECONDS, KERNELS_AFTER_SYNC
+from fivefold.cost.moe_experts import active_experts, grouped_gemm_time
+from fivefold.cost.compute import Device
+from fivefold.cost.stack import with_expert_gemm
+from fivefold.spec.devices import device_named
 from fivefold.cost.moe_breakdown import moe_layer_terms
 from fivefold.spec import PRESETS, ModelSpec, Plan, TrainSpec, parse_cluster
 
+ROOT = Path(__file__).resolve().parents[1]
+# Development data in shared/ beside the repository (where CI puts it too).
+MEASURED = next((folder / "h200_grouped.csv" for folder in (ROOT.parent / "shared" / "reference" / "measured",
+                                                          Path("/work/shared/reference/measured"))
+                 if (folder / "h200_grouped.csv").is_file()), ROOT.parent / "shared" / "h200_grouped.csv")
 QWEN = PRESETS["qwen3-30b-a3b"]
 STACK = stack_named("megatron-core")
 
@@ -79,9 +90,10 @@ def test_expert_gemms_run_at_the_grouped_efficiency_of_the_tokens_each_expert_ge
 
 
 def test_fivefold_stack_prices_a_gemm_per_expert_as_its_python_loop_runs_them():
-    """models/moe.py GroupedExperts: for each local expert, chunk @ w1.T, chunk @ w3.T, the SwiGLU product and
-    @ w2.T on that expert's rows, one expert after the other on one stream."""
-    fivefold = stack_named("fivefold")
+    """models/moe.py GroupedExperts' loop (off sm90+ GPUs, or --expert-gemm loop): for each local expert,
+    chunk @ w1.T, chunk @ w3.T, the SwiGLU product and @ w2.T on that expert's rows, one expert after the other on
+    one stream."""
+    fivefold = with_expert_gemm(stack_named("fivefold"), "loop")
     assert (fivefold.grouped_gemm_streams, fivefold.expert_gate_separate) == (1, True)
     terms, env = _terms(_plan(), fivefold)
     device, f, h = env.device, QWEN.expert_ffn_hidden, QWEN.hidden
@@ -100,6 +112,56 @@ def test_fivefold_stack_prices_a_gemm_per_expert_as_its_python_loop_runs_them():
              + gemm_time(device, f, h, rows, b) + elementwise_time(device, b * rows * f * 6)
              + elementwise_time(device, b * rows * f * 10) for b in (3, 1)]
     assert three.experts == pytest.approx(5 * batch[0] + batch[1], rel=1e-9)
+
+
+def test_fivefold_stack_prices_grouped_mm_on_hopper_and_the_loop_on_a100():
+    """On sm90+ GPUs models/moe.py runs three torch._grouped_mm (gate, up, down), each forward, dgrad and wgrad a
+    grouped GEMM priced by grouped_gemm_time; an A100 runs the loop."""
+    fivefold = stack_named("fivefold")
+    terms, env = _terms(_plan(), fivefold)
+    device, f, h = env.device, QWEN.expert_ffn_hidden, QWEN.hidden
+    rows, local = 4096 * 8 * 8 // 128, 16
+
+    def linear(k, n):
+        return (grouped_gemm_time(device, rows, n, k, local) + grouped_gemm_time(device, rows, k, n, local)
+                + grouped_gemm_time(device, rows, n, k, local, row_tiles=False))
+
+    product = elementwise_time(device, local * rows * f * 3 * 2) + elementwise_time(device, local * rows * f * 5 * 2)
+    assert terms.experts == pytest.approx(2 * linear(h, f) + product + linear(f, h), rel=1e-9)
+    loop = _terms(_plan(), with_expert_gemm(fivefold, "loop"))[0]
+    assert loop.experts > terms.experts
+    a100 = _plan().replace(cluster=parse_cluster("2x8xA100-80GB"))
+    assert _terms(a100, fivefold)[0].experts == pytest.approx(_terms(a100, with_expert_gemm(fivefold, "loop"))[0].experts)
+
+
+@pytest.mark.skipif(not MEASURED.is_file(), reason="shared/reference/measured is not beside the repository")
+def test_grouped_gemm_time_reproduces_the_measured_h200_grouped_gemms():
+    """reference/measured/h200_grouped.csv: one torch._grouped_mm of x[E*T, hidden] by w[E, hidden, 2*ffn], H200,
+    torch 2.11; every grouped_mm row within 15% (fitted: within 10%, mean 6%)."""
+    device = Device(device_named("H200"), "bf16")
+    rows = [r for r in csv.DictReader(MEASURED.open()) if r["kind"] == "grouped_mm"]
+    assert len(rows) == 16
+    errors = []
+    for row in rows:
+        experts, hidden, ffn, tokens = (int(row[k]) for k in ("experts", "hidden", "ffn", "tokens_per_expert"))
+        predicted = grouped_gemm_time(device, tokens, 2 * ffn, hidden, experts)
+        errors.append(abs(predicted - float(row["seconds"])) / float(row["seconds"]))
+    assert max(errors) < 0.15 and sum(errors) / len(errors) < 0.07, errors
+
+
+def test_a_skewed_router_crowds_rows_onto_fewer_experts():
+    """TrainSpec.expert_load: with the busiest expert at 8x the mean (64 experts, top-8: every token through one
+    expert) the rows crowd onto 8 experts; the grouped GEMMs then read 8 experts' weights, not 64."""
+    assert active_experts(64, 8.0) == 8 and active_experts(64, 1.0) == 64 and active_experts(4, 100.0) == 1
+    model = dataclasses.replace(QWEN, experts=64, top_k=8, expert_ffn_hidden=768, hidden=2048)
+    few_tokens = dict(dp=1, ep=1, micro_batch=1)
+    plan = Plan(model=model, cluster=parse_cluster("1x1xH200"), train=TrainSpec(seq_len=256, global_batch=8),
+                **few_tokens)
+    skewed = plan.replace(train=dataclasses.replace(plan.train, expert_load=8.0))
+    balanced_terms, env = _terms(plan, stack_named("fivefold"))
+    skewed_terms = _terms(skewed, stack_named("fivefold"))[0]
+    # 256 tokens x 8 copies over 64 experts: 32 rows each, bound by reading every expert's weights
+    assert skewed_terms.experts < 0.5 * balanced_terms.experts
 
 
 def test_shared_experts_are_a_dense_mlp_on_every_token():

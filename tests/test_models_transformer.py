@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -104,6 +105,15 @@ def test_init_scheme_values():
     assert layer.feed_forward.w2.weight.std().item() == pytest.approx(0.02 / math.sqrt(6), rel=0.05)
     # Each tensor gets its own stream: two same-shape weights differ.
     assert not torch.equal(model.layers["0"].attention.wq.weight, layer.attention.wq.weight)
+    # Llama-style MoE models (RoPE, untied): token embeddings at std 1 (models/init.py EMBEDDING_STD), the rest as
+    # above; dense and tied ones keep 0.02.
+    moe = dataclasses.replace(TINY, experts=4, top_k=2, expert_ffn_hidden=32)
+    llama_moe = materialised(moe, seed=0)
+    assert llama_moe.tok_embeddings.weight.std().item() == pytest.approx(1.0, rel=0.05)
+    assert llama_moe.layers["0"].attention.wq.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert materialised(TINY, seed=0).tok_embeddings.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    tied = materialised(dataclasses.replace(moe, tied_embeddings=True), seed=0)
+    assert tied.tok_embeddings.weight.std().item() == pytest.approx(0.02, rel=0.05)
 
 
 def test_seed_changes_weights():

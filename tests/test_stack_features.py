@@ -48,7 +48,14 @@ def test_fixed_choice_outside_the_stack_is_one_error() -> None:
             search(MODEL, cluster, train, choices, stack=STACKS["megatron-lm-2022"])
         assert caught.value.field == field
     with pytest.raises(SpecError, match="FP8"):
-        search(MODEL, cluster, TrainSpec(seq_len=4096, global_batch=8, dtype="fp8"), stack=STACKS["fivefold"])
+        search(MODEL, cluster, TrainSpec(seq_len=4096, global_batch=8, dtype="fp8"), stack=STACKS["megatron-lm-2022"])
+    # fivefold's runtime trains FP8 with torchao's two recipes (runtime/float8.py); TE's are refused as `train` does
+    from fivefold.cost.fp8 import with_fp8_recipe
+
+    assert search(MODEL, cluster, TrainSpec(seq_len=4096, global_batch=8, dtype="fp8"), top=1,
+                  stack=with_fp8_recipe(STACKS["fivefold"], "rowwise")).candidates
+    with pytest.raises(SpecError, match="the fivefold stack trains FP8 with tensorwise or rowwise scaling"):
+        with_fp8_recipe(STACKS["fivefold"], "delayed")
 
 
 def test_estimate_names_what_the_stack_cannot_run() -> None:

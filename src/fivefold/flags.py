@@ -220,6 +220,11 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eps", type=float, default=1e-8, help="AdamW epsilon (default: 1e-8)")
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (CPU: inductor "
                    "needs a C compiler; the first steps pay the compile time)")
+    p.add_argument("--expert-gemm", default="auto", help="MoE experts: auto (one torch._grouped_mm per projection on "
+                   "CUDA sm90+ in bf16, a GEMM per expert elsewhere), grouped (also on CPU, in fp32) or loop "
+                   "(default: auto)")
+    p.add_argument("--fp8-recipe", default=None, metavar="RECIPE", help="with --dtype fp8: tensorwise (default) or "
+                   "rowwise scaling of the FP8 GEMMs (torchao's recipes; runtime/float8.py)")
     add_diloco_flags(p)
 
 

@@ -33,7 +33,7 @@ class EagerOps:
     #                                    (MoE: cost/moe.py; etp splits it)
 
 
-def eager_ops(model: ModelSpec, ep: int = 1) -> EagerOps:
+def eager_ops(model: ModelSpec, ep: int = 1, grouped_experts: bool = False) -> EagerOps:
     """The counts for this model's block variant, counted with a TorchDispatchMode on torch 2.13
     (tests/test_cost_eager_counts.py recounts them on the runtime's modules). MoE models: the average
     block over their dense and MoE layers, an MoE block holding experts / ep experts (cost/moe.py).
@@ -41,7 +41,8 @@ def eager_ops(model: ModelSpec, ep: int = 1) -> EagerOps:
     The GPT block (LayerNorm, learned positions, GeLU, biases, one kv head per head) dispatches 39 ops
     forward and 93 backward; RoPE adds the cos/sin tables and two rotations (28 / 14); SwiGLU the gate
     (5 / 6); RMSNorm, unfused, more than LayerNorm, and the Llama block drops the attention biases
-    (12 / 18); grouped-query attention the repeat_interleave of K and V (8 / 7). The head's count
+    (12 / 18); grouped-query attention the repeat_interleave of K and V (8 / 7); `grouped_experts`: the MoE
+    experts run as grouped GEMMs, not a GEMM per expert (cost/moe.py MOE_GROUPED_EXPERT_OPS). The head's count
     includes the loss, whose targets (a slice of the batch) are copied when flattened.
 
     Traffic: the element-wise ops of a block (all but the matmuls and attention) read and write, per
@@ -64,12 +65,12 @@ def eager_ops(model: ModelSpec, ep: int = 1) -> EagerOps:
     share = moe_share(model)
     if share > 0:
         local = model.experts // ep
-        extra_forward, extra_backward = moe_block_ops(model, local)
+        extra_forward, extra_backward = moe_block_ops(model, local, grouped_experts)
         moe_forward, moe_backward = moe_mlp_traffic(model)
         forward, backward = forward + share * extra_forward, backward + share * extra_backward
         forward_traffic += share * moe_forward
         backward_traffic += share * moe_backward
-        fixed = share * expert_gradient_stack(model, local)
+        fixed = 0.0 if grouped_experts else share * expert_gradient_stack(model, local)
     forward_traffic += (1 - share) * mlp_traffic[0]
     backward_traffic += (1 - share) * mlp_traffic[1]
     return EagerOps(

@@ -52,4 +52,8 @@ def with_fp8_recipe(stack: SoftwareStack, recipe: str | None) -> SoftwareStack:
         return stack
     if recipe not in FP8_RECIPES:
         raise SpecError("--fp8-recipe", recipe, f"use one of {', '.join(FP8_RECIPES)}")
+    runs = stack.features.fp8_recipes
+    if runs and recipe not in runs:  # what `fivefold train` refuses, the plan for its stack refuses too
+        raise SpecError("--fp8-recipe", recipe, f"the {stack.name} stack trains FP8 with {' or '.join(runs)} scaling; "
+                        f"{recipe} is priced for --stack megatron-core")
     return replace(stack, fp8_recipe=recipe)

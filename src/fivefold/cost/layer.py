@@ -24,6 +24,7 @@ from fivefold.cost.compute import Device, elementwise_time, flash_attention_time
 from fivefold.cost.moe import split_by_layer_kind
 from fivefold.cost.moe_block import (etp_exchange, moe_mlp, moe_tokens, sequence_dispatch_group,
                                      tp_split_block_comm)
+from fivefold.cost.moe_experts import runs_grouped_mm
 from fivefold.cost.passwork import ZERO_PASS, PassCost, PassWork, fp8_linear, mlp
 
 __all__ = ["ZERO_PASS", "LayerShape", "PassCost", "embedding_cost", "head_cost", "layer_cost", "padded_vocab"]
@@ -47,6 +48,7 @@ class LayerShape:
     expert_imbalance: float = 1.0  # busiest rank's expert rows / the mean (TrainSpec.expert_imbalance)
     cp_method: str = "allgather"  # allgather | ulysses (cost/context.py)
     etp: int = 1  # expert tensor parallel (MoE parallel folding: cost/moe_block.py moe_tokens)
+    expert_load: float = 1.0  # busiest expert's rows / the mean over experts (TrainSpec.expert_load)
 
 
 def _tp_collectives(work: PassWork, num_bytes: float, link: GroupLink, sequence_parallel: bool,
@@ -155,7 +157,7 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
     if m.is_moe:  # router to combine, term by term, over the folded expert groups (cost/moe_block.py)
         split = moe_tokens(tokens, t, shape.etp, shape.sequence_parallel, stack.moe_splits_tokens_over_tp)
         block = moe_mlp(work, m, split, shape.ep, shape.expert_imbalance, device, stack, ep_link,
-                        sequence_dispatch_group(stack, shape.sequence_parallel, shape.etp, tp_link))
+                        sequence_dispatch_group(stack, shape.sequence_parallel, shape.etp, tp_link), shape.expert_load)
         if stack.moe_splits_tokens_over_tp:
             tp_split_block_comm(work, m, block, hidden_bytes, shape.sequence_parallel, tp_link, etp_link, e)
         elif shape.sequence_parallel and t > 1:  # Megatron-Core: the etp group gathers the received copies
@@ -170,7 +172,7 @@ def layer_cost(shape: LayerShape, device: Device, stack: SoftwareStack, tp_link:
                      2 if dropout else 1, 1)
     if not stack.fused_elementwise and device.host is None:
         # Eager PyTorch: unfused RMSNorm, RoPE, SwiGLU and autograd's sums move this much more (eager_ops).
-        ops = eager_ops(m, shape.ep)
+        ops = eager_ops(m, shape.ep, runs_grouped_mm(stack, device))
         per_token = tokens / t * e
         work.elementwise(device, ops.layer_forward_traffic * per_token,
                          ops.layer_backward_traffic * per_token + ops.layer_backward_fixed / t * e, 0, 0)

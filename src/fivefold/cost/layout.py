@@ -223,7 +223,7 @@ def layer_costs(layout: Layout, env: RankEnv, stack: SoftwareStack) -> LayerCost
     train = layout.train
     key = (layout.model, train.seq_len, layout.micro_batch, layout.tp, layout.cp, layout.ep, layout.etp,
            layout.sequence_parallel,
-           layout.recompute, train.expert_imbalance, layout.cp_method, stack,
+           layout.recompute, train.expert_imbalance, train.expert_load, layout.cp_method, stack,
            *((layout.pp, layout.dp, layout.placement) if layout.vocab_parallel else ()))
     cached = _LAYER_COSTS_OF_ENV.get(env, key)
     if isinstance(cached, LayerCosts):
@@ -235,7 +235,7 @@ def _layer_costs(layout: Layout, env: RankEnv, stack: SoftwareStack) -> LayerCos
     """layer_costs, cached on the values the costs depend on (ranks on equal devices and links share them)."""
     shape = LayerShape(layout.model, layout.train.seq_len, layout.micro_batch, layout.tp, layout.cp, layout.ep,
                        layout.sequence_parallel, layout.recompute, layout.train.expert_imbalance,
-                       cp_method=layout.cp_method, etp=layout.etp)
+                       cp_method=layout.cp_method, etp=layout.etp, expert_load=layout.train.expert_load)
     device = env.device
     split = vocab_share(layout.pp, layout.vocab_parallel)
     pp_link = pp_group_link(layout, topology_of(layout.cluster)) if split > 1 else SELF

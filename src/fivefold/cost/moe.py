@@ -78,14 +78,19 @@ def expert_param_share(model: ModelSpec) -> tuple[float, float]:
 MOE_FIXED_OPS = {"swiglu": (15, 9), "gelu": (19, 13)}
 MOE_OPS_PER_EXPERT = {"swiglu": (8, 23), "gelu": (5, 14)}
 MOE_SHARED_OPS = {"swiglu": (9, 26), "gelu": (6, 16)}
-MOE_AUX_LOSS_OPS = (14, 13)  # the auxiliary balance loss, when its coefficient is not 0
+MOE_AUX_LOSS_OPS = (16, 13)  # the auxiliary balance loss, when its coefficient is not 0 (kept summed on the device)
 MOE_UNNORMALISED_OPS = (-2, -8)  # router_norm_topk off: no renormalisation of the top-k weights
+# The experts as grouped GEMMs (models/moe.py `_grouped`: the offsets, three or two torch._grouped_mm and the
+# activation), whatever the number of local experts, in place of the loop's per-expert ops; counted like the others.
+MOE_GROUPED_EXPERT_OPS = {"swiglu": (6, 18), "gelu": (4, 10)}
 
 
-def moe_block_ops(model: ModelSpec, local_experts: int) -> tuple[int, int]:
-    """(forward, backward) ops one eager MoE block dispatches beyond the dense block of the same family."""
+def moe_block_ops(model: ModelSpec, local_experts: int, grouped: bool = False) -> tuple[int, int]:
+    """(forward, backward) ops one eager MoE block dispatches beyond the dense block of the same family; `grouped`:
+    its experts run as grouped GEMMs (cost/moe_block.py runs_grouped_mm), not a loop over experts."""
     kind = "swiglu" if model.mlp == "swiglu" else "gelu"
-    counts = [MOE_FIXED_OPS[kind], tuple(local_experts * n for n in MOE_OPS_PER_EXPERT[kind]),
+    experts = MOE_GROUPED_EXPERT_OPS[kind] if grouped else tuple(local_experts * n for n in MOE_OPS_PER_EXPERT[kind])
+    counts = [MOE_FIXED_OPS[kind], experts,
               tuple(model.shared_experts * n for n in MOE_SHARED_OPS[kind])]
     if model.aux_loss_coef > 0:
         counts.append(MOE_AUX_LOSS_OPS)
@@ -109,6 +114,7 @@ def moe_mlp_traffic(model: ModelSpec) -> tuple[float, float]:
 
 def expert_gradient_stack(model: ModelSpec, local_experts: int) -> float:
     """Elements the backward of one MoE block moves per micro-batch whatever its tokens: the local experts'
-    weight gradients stacked into the [experts, ...] parameter's (unbind's backward: read and write)."""
+    weight gradients stacked into the [experts, ...] parameter's (the loop's unbind's backward: read and write;
+    grouped GEMMs write the stacked gradient themselves)."""
     matrices = 3 if model.mlp == "swiglu" else 2
     return 2.0 * local_experts * matrices * model.hidden * model.expert_ffn_hidden

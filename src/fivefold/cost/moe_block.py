@@ -17,7 +17,11 @@ mean; every other rank waits for it at the combine):
   every routed copy forward, and both again backward, on the ep group's slowest link;
 - experts: experts / ep local experts as one grouped GEMM each for the up (gate) and down projections, or a GEMM
   per expert as the stack launches them (expert_gemms), at the tile efficiency of the rows each local expert
-  actually gets (cost/kernels.py), and the activation;
+  actually gets (cost/kernels.py), and the activation (cost/moe_experts.py). fivefold's own experts run as
+  torch._grouped_mm on sm90+ GPUs (grouped_gemm_time, fitted on measured H200 grouped GEMMs) and as its loop
+  elsewhere (runs_grouped_mm).
+  With a skewed router (TrainSpec.expert_load, the busiest expert over the mean) the rows crowd onto
+  experts / load experts (active_experts): fewer, taller GEMMs, and the others' launches run empty;
 - shared experts: a dense MLP of width shared_experts x expert_ffn_hidden on every token.
 Two dispatcher variants the MoE Parallel Folding paper's runs used: token dropping at a capacity factor
 (stack.moe_drops_tokens: the router's capacity mask, the sync before the first permutation) and Megatron-Core
@@ -29,12 +33,13 @@ local experts becomes launch-bound when the stack's seconds per kernel times tho
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from fivefold.cost.comm import GroupLink, all_gather_time, all_reduce_time, all_to_all_time, reduce_scatter_time
 from fivefold.cost.compute import Device
 from fivefold.cost.moe import all_to_all_bytes, moe_block_ops, routed_rows
-from fivefold.cost.passwork import PassWork, fp8_linear, mlp
+from fivefold.cost.moe_experts import expert_gemms, runs_grouped_mm
+from fivefold.cost.passwork import PassWork, mlp
 from fivefold.cost.stack import SoftwareStack
 from fivefold.spec.model import ModelSpec
 
@@ -129,55 +134,6 @@ def dispatch_time(tokens: int, model: ModelSpec, element_bytes: int, imbalance: 
     return (link.size - 1) * link.latency + max(inside, outside)
 
 
-def expert_gemms(work: PassWork, device: Device, stack: SoftwareStack, rows: int, hidden: int, width: int,
-                 swiglu: bool, experts: int) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
-    """The local experts' MLPs: one grouped launch whose tiles share the waves (stack.grouped_gemm_streams 0), or
-    one GEMM per expert with `streams` of them running side by side (Transformer Engine's GroupedLinear:
-    nvte_multi_stream_cublas_gemm issues a cuBLAS GEMM per expert over its compute streams; fivefold's
-    GroupedExperts: one expert after the other on one stream), so only the tiles of `streams` experts share a
-    wave. Same FLOPs; the difference is the wave quantization of few rows per expert. Every expert has the same
-    rows here, so a group of `streams` experts is costed once and counted as often as it runs."""
-    streams = stack.grouped_gemm_streams
-    if streams <= 0 or (streams >= experts and not stack.expert_gate_separate):
-        return mlp(work, device, stack, rows, hidden, width, swiglu, experts)
-    full, rest = divmod(experts, min(streams, experts))
-    sums = _repeated(work, full, lambda into: _expert_mlp(into, device, stack, rows, hidden, width, swiglu, streams))
-    if rest:
-        last = _repeated(work, 1, lambda into: _expert_mlp(into, device, stack, rows, hidden, width, swiglu, rest))
-        sums = [a + b for a, b in zip(sums, last)]
-    return (sums[0], sums[1], sums[2]), (sums[3], sums[4], sums[5])
-
-
-def _expert_mlp(work: PassWork, device: Device, stack: SoftwareStack, rows: int, hidden: int, width: int,
-                swiglu: bool, side_by_side: int) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
-    """`side_by_side` experts' MLPs launched together; with stack.expert_gate_separate a SwiGLU expert's gate and
-    up projections are two GEMMs of `width` columns (fivefold's GroupedExperts: chunk @ w1.T, chunk @ w3.T), not
-    one of 2 x width, so each fills its own waves."""
-    if not (swiglu and stack.expert_gate_separate):
-        return mlp(work, device, stack, rows, hidden, width, swiglu, side_by_side)
-    gate = fp8_linear(work, device, stack, rows, hidden, width, side_by_side)
-    up = fp8_linear(work, device, stack, rows, hidden, width, side_by_side)
-    e = device.element_bytes
-    work.elementwise(device, rows * side_by_side * width * 3 * e, rows * side_by_side * width * 5 * e)
-    down = fp8_linear(work, device, stack, rows, width, hidden, side_by_side)
-    return (gate[0] + up[0], gate[1] + up[1], gate[2] + up[2]), down
-
-
-def _repeated(work: PassWork, times: int, add: Callable[[PassWork], tuple[tuple[float, float, float],
-                                                                          tuple[float, float, float]]]) -> list[float]:
-    """Run `add` on a scratch PassWork and add its GPU seconds and kernels `times` over to `work` (the planner
-    would otherwise cost the same expert MLP once per local expert); its (up, down) GEMM times, summed."""
-    scratch = PassWork()
-    up, down = add(scratch)
-    work.forward += times * scratch.forward
-    work.linear_forward += times * scratch.linear_forward
-    work.backward_input += times * scratch.backward_input
-    work.backward_weight += times * scratch.backward_weight
-    work.forward_kernels += times * scratch.forward_kernels
-    work.backward_kernels += times * scratch.backward_kernels
-    return [times * seconds for seconds in (*up, *down)]
-
-
 def routing(work: PassWork, device: Device, model: ModelSpec, tokens: int) -> None:
     """Softmax and top-k in fp32 over the [tokens, experts] logits (read the logits, write the fp32 probabilities,
     read them for top-k, write the k weights and indices; backward: the softmax gradient over the same fp32
@@ -231,9 +187,12 @@ def _seconds(work: PassWork) -> float:
 
 
 def moe_mlp(work: PassWork, model: ModelSpec, split: MoETokens, ep: int, imbalance: float, device: Device,
-            stack: SoftwareStack, ep_link: GroupLink, sequence_tp: GroupLink | None = None) -> MoEBlock:
+            stack: SoftwareStack, ep_link: GroupLink, sequence_tp: GroupLink | None = None,
+            load: float = 1.0) -> MoEBlock:
     """Add one MoE block (router to combine) to `work` for the tokens and expert split of `split`.
-    `sequence_tp`: the tp group of a sequence-level dispatcher (sequence_dispatch_copies; None: token-level)."""
+    `sequence_tp`: the tp group of a sequence-level dispatcher (sequence_dispatch_copies; None: token-level).
+    `load`: the busiest expert's tokens over the mean (TrainSpec.expert_load); with ep > 1 the part of it the
+    busiest rank's imbalance does not already account for skews that rank's own experts."""
     m, e, h, tokens = model, device.element_bytes, model.hidden, split.routed
     kernels = work.forward_kernels, work.backward_kernels
     marks = [_seconds(work)]
@@ -281,8 +240,9 @@ def moe_mlp(work: PassWork, model: ModelSpec, split: MoETokens, ep: int, imbalan
         work.collective("ep", counts + 2 * dispatch, 2 * dispatch)
     mark()
     swiglu = m.mlp == "swiglu"
+    within = load / imbalance if ep > 1 else load
     up, down = expert_gemms(work, device, stack, per_expert, h, m.expert_ffn_hidden // split.split, swiglu,
-                            local_experts)
+                            local_experts, within)
     if stack.grouped_gemm_streams > 1 and device.fp8_gemm_peak > 0:  # TE's FP8 GroupedLinear: padded rows
         padded = TE_FP8_PADDING_PASSES * busiest * h * e
         work.elementwise(device, padded, padded, 2, 2)
@@ -291,7 +251,7 @@ def moe_mlp(work: PassWork, model: ModelSpec, split: MoETokens, ep: int, imbalan
         mlp(work, device, stack, tokens, h, m.shared_experts * m.expert_ffn_hidden // split.shared_split, swiglu)
     mark()
     # Launches: the dense MLP's (up, activation, down; five backward) plus what the eager MoE block adds.
-    extra_forward, extra_backward = moe_block_ops(m, local_experts)
+    extra_forward, extra_backward = moe_block_ops(m, local_experts, runs_grouped_mm(stack, device))
     if stack.grouped_gemm_streams > 1 and device.fp8_gemm_peak > 0:  # TE's multi-stream FP8 GroupedLinear
         extra_forward += TE_FP8_HOST_OPS_PER_EXPERT[0] * local_experts
         extra_backward += TE_FP8_HOST_OPS_PER_EXPERT[1] * local_experts

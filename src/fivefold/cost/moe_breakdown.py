@@ -20,7 +20,8 @@ def moe_layer_terms(layout: Layout, env: RankEnv, stack: SoftwareStack) -> MoETe
     split = moe_tokens(layout.micro_batch * layout.train.seq_len // layout.cp, layout.tp, layout.etp,
                        layout.sequence_parallel, stack.moe_splits_tokens_over_tp)
     return moe_mlp(PassWork(), layout.model, split, layout.ep, layout.train.expert_imbalance, env.device, stack,
-                   env.ep, sequence_dispatch_group(stack, layout.sequence_parallel, layout.etp, env.tp)).terms
+                   env.ep, sequence_dispatch_group(stack, layout.sequence_parallel, layout.etp, env.tp),
+                   layout.train.expert_load).terms
 
 
 def host_sync_seconds(layout: Layout, env: RankEnv, stack: SoftwareStack) -> float:

@@ -31,6 +31,7 @@ class Features:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     fp8: bool = False  # FP8 GEMMs (Transformer Engine, torchao Float8)
     fp8_all_gather: bool = False  # ZeRO-3 / FSDP gathers the weights already cast to FP8
+    fp8_recipes: tuple[str, ...] = ()  # the FP8 scaling recipes it runs (cost/fp8.py FP8_RECIPES); () = any
     gradient_accumulation: bool = True  # several micro-batches per replica without a pipeline
     moe_folding: bool = True  # MoE parallel folding: ep over tp x cp x dp (may span tp) and expert tensor parallel
     # Embedding, head and loss over the pp ranks (cost/vocab.py): not upstream in Megatron-Core nor TorchTitan.
@@ -46,7 +47,8 @@ class Features:
                  *(["vocabulary parallel"] if self.vocab_parallel else []),
                  f"CP {'/'.join(self.cp_methods)}" if "cp" in self.parallelisms else "no CP",
                  f"recompute {'/'.join(self.recompute)}",
-                 ("FP8" + (" (FP8 all-gather)" if self.fp8_all_gather else "")) if self.fp8 else "no FP8"]
+                 ("FP8" + (f" {'/'.join(self.fp8_recipes)}" if self.fp8_recipes else "")
+                  + (" (FP8 all-gather)" if self.fp8_all_gather else "")) if self.fp8 else "no FP8"]
         return "; ".join(parts) + (f" [{self.built_on}]" if self.built_on else "")
 
 
@@ -119,6 +121,10 @@ class SoftwareStack:
     grouped_gemm_streams: int = 0  # MoE experts: 0, one grouped GEMM launch; k, a GEMM per expert, k streams (TE's
     #                                GroupedLinear: 4; fivefold's GroupedExperts, a Python loop over experts: 1)
     expert_gate_separate: bool = False  # SwiGLU experts launch gate and up as two GEMMs (fivefold's GroupedExperts)
+    grouped_mm_experts: str = "never"  # fivefold's GroupedExperts (models/moe.py, --expert-gemm): "gpu", one
+    #                                  torch._grouped_mm per projection on GPUs whose torch runs it (sm90+, bf16)
+    #                                  and grouped_gemm_streams' loop elsewhere; "always"; "never" (the loop)
+    fp8_experts: bool = True  # under FP8 training the routed experts' GEMMs run in FP8 too (fivefold: BF16)
     fp8_recipe: str = "tensorwise"  # FP8 scaling: tensorwise | rowwise (torchao), current | delayed | blockwise (TE)
     moe_dispatch_per_node: bool = False  # DeepEP: one network copy of a token per destination node, forwarded
     #                                      over NVLink to its experts there (cost/moe_block.py dispatch_time)
@@ -184,7 +190,10 @@ STACKS: dict[str, SoftwareStack] = {
     # kernels are TorchTitan's eager ones (the same FSDP2 / DTensor / SDPA blocks without torch.compile): the
     # unfused element-wise traffic of eager_ops and SDPA's FlashAttention-2, the two terms that reproduce
     # TorchTitan's eager rows (Llama 3.1 8B, compile off: +0% and +4%, docs/validation.md); `--compile` fuses.
-    # Experts as models/moe.py runs them: a GEMM per expert, one after the other (cost/moe_block.py).
+    # Experts as models/moe.py runs them: one torch._grouped_mm per projection on sm90+ GPUs in bf16, elsewhere a
+    # GEMM per expert, one after the other (cost/moe_block.py). FP8 training as runtime/float8.py runs it:
+    # torch._scaled_mm with tensorwise or rowwise scaling on the block linears, weights gathered in BF16, experts
+    # in BF16.
     "fivefold": SoftwareStack(name="fivefold", dropout=False, overlap_tp_backward=False, grad_reduce_bytes=4,
                               fused_elementwise=False, sdpa_flash2=True, pipeline_keeps_outputs=True,
                               optimizer_temporary_bytes=4.0, selective_saves_ops=True,
@@ -192,8 +201,10 @@ STACKS: dict[str, SoftwareStack] = {
                               pipeline_returns_outputs=False, tp_gathers_logits=True, moe_splits_tokens_over_tp=True,
                               vocab_parallel_over_tp=False,
                               grouped_gemm_streams=1, expert_gate_separate=True, pipeline_defers_grad_sync=True,
+                              grouped_mm_experts="gpu", fp8_experts=False,
                               zero2_reshards_after_backward=True, eager_host_costs=True, features=Features(
                                   vocab_parallel=True,  # runtime: --vocab-parallel (issue 26)
+                                  fp8=True, fp8_recipes=("tensorwise", "rowwise"),  # runtime/float8.py
                                   built_on="FSDP2, DTensor TP, torch.distributed.pipelining, own CP, MoE folding, "
                                            "vocabulary parallel, eager")),
     # TorchTitan as benchmarked at the end of 2024 (benchmarks/llama3_h100_202412_torchtitan.md; its
@@ -234,6 +245,13 @@ def on_host_profiled_cpu(stack: SoftwareStack) -> SoftwareStack:
         return stack
     return replace(STACKS[f"{stack.name}-cpu"], compiled_blocks=stack.compiled_blocks,
                    fused_elementwise=stack.fused_elementwise)
+
+
+def with_expert_gemm(stack: SoftwareStack, ran: str | None) -> SoftwareStack:
+    """`stack` with its MoE experts run as a run ran them ("grouped" or "loop"; None: as the stack says)."""
+    if ran is None or stack.grouped_mm_experts == "never" and ran == "loop":
+        return stack
+    return replace(stack, grouped_mm_experts="always" if ran == "grouped" else "never")
 
 
 def with_compile(stack: SoftwareStack, compiled: bool = True) -> SoftwareStack:
@@ -297,6 +315,8 @@ def unsupported_features(stack: SoftwareStack, plan: object) -> list[str]:
         out.append(f"CP method {method}")
     if plan.train.dtype == "fp8" and not features.fp8:  # type: ignore[attr-defined]
         out.append("FP8")
+    elif plan.train.dtype == "fp8" and features.fp8_recipes and stack.fp8_recipe not in features.fp8_recipes:  # type: ignore[attr-defined]
+        out.append(f"FP8 recipe {stack.fp8_recipe}")
     ep, etp = getattr(plan, "ep", 1), getattr(plan, "etp", 1)
     if not features.moe_folding and "ep" in features.parallelisms and (
             etp > 1 or (plan.dp * plan.cp) % ep):  # type: ignore[attr-defined]

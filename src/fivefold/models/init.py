@@ -17,6 +17,14 @@ from torch import nn
 from fivefold.models.transformer import Transformer
 
 INIT_STD = 0.02  # GPT-2 / Llama initialiser range
+# Untied token embeddings of Llama-style (RoPE) MoE models: std 1, as TorchTitan initialises its Llama and MoE
+# models (nn.init.normal_). At 0.02 the embeddings are drowned at init by the attention branch, whose output is
+# nearly the same average for every token, so every token reaches the MoE router with nearly the same input and
+# all go to the same experts; the auxiliary loss cannot undo that (docs/moe.md, "Why the expert load collapsed",
+# bench/moe_routing.py). Dense models keep GPT-2's 0.02 (measured both ways on the built-in corpus: tiny learns a
+# little slower at std 1, small faster; nothing to mend there), as do GPT-style models (learned positions, whose
+# 0.02 table would be drowned instead) and tied embeddings (the LM head's logits would grow with sqrt(hidden)).
+EMBEDDING_STD = 1.0
 
 # Wrappers that insert a path component without changing the model (activation checkpointing,
 # torch.compile, DDP); stripped so the seed name is the plain model's FQN.
@@ -41,7 +49,13 @@ def _find_transformer(model: nn.Module) -> Transformer:
     raise TypeError(f"init_weights expects a model containing a fivefold Transformer, got {type(model).__name__}")
 
 
-def _full_tensor(name: str, module: nn.Module, leaf: str, shape: torch.Size, seed: int, layers: int) -> torch.Tensor:
+def embedding_std(spec) -> float:
+    """The std of the token embedding's initial values (EMBEDDING_STD's rule)."""
+    return EMBEDDING_STD if spec.is_moe and spec.position == "rope" and not spec.tied_embeddings else INIT_STD
+
+
+def _full_tensor(name: str, module: nn.Module, leaf: str, shape: torch.Size, seed: int, layers: int,
+                 token_embedding_std: float = INIT_STD) -> torch.Tensor:
     """The whole (unsharded) initial value of module.<leaf>, fp32 on CPU."""
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
@@ -50,6 +64,8 @@ def _full_tensor(name: str, module: nn.Module, leaf: str, shape: torch.Size, see
     # Residual-branch output projections get a smaller std so the residual stream does not grow with
     # depth (GPT-2 paper, section 2.3; nanoGPT c_proj).
     std = INIT_STD / math.sqrt(2 * layers) if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else INIT_STD
+    if name == "tok_embeddings.weight":
+        std = token_embedding_std
     generator = torch.Generator(device="cpu")
     generator.manual_seed(stable_seed(seed, name))
     return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
@@ -69,7 +85,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
             if spec.tied_embeddings and name == "output.weight":
                 name = "tok_embeddings.weight"  # a stage that holds only the head still draws the shared matrix
             # tensor.shape of a DTensor is the global shape, so `full` is the unsharded value.
-            full = _full_tensor(name, module, leaf, tensor.shape, seed, spec.layers)
+            full = _full_tensor(name, module, leaf, tensor.shape, seed, spec.layers, embedding_std(spec))
             _copy_into(tensor, full)
 
 

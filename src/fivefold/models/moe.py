@@ -5,6 +5,12 @@
     -> each expert's SwiGLU/GeLU MLP on its rows -> back -> weighted sum over the top_k copies
     (+ shared experts every token visits).
 
+Experts run as three grouped GEMMs (`torch._grouped_mm`, as TorchTitan's MoE runs them: gate, up and down,
+each one launch over every local expert's rows) where that kernel runs: CUDA from sm90 in bf16. Elsewhere
+(CPU, older GPUs, fp32, a torch without it) a Python loop issues a GEMM per expert. `GroupedExperts.gemm`
+chooses: "auto" (that rule), "grouped" (also on CPU, where torch runs it in fp32: the parity tests) or
+"loop" (`fivefold train --expert-gemm`). Same math, so parity holds across the two.
+
 Dropless: every routed copy is computed, there is no capacity factor. The dispatcher is the only thing
 expert parallelism changes (runtime/expert_parallel.py swaps in an all-to-all one), so one code path
 serves every plan and parity with the single-process run is by construction.
@@ -81,6 +87,39 @@ class LocalDispatch:
         return rows
 
 
+# torch._grouped_mm's CUDA kernel is CUTLASS's Hopper (and later) grouped GEMM: compute capability 9.0 and up.
+GROUPED_MM_CAPABILITY = (9, 0)
+
+
+def has_grouped_mm() -> bool:
+    """This torch has torch._grouped_mm (2.8 and later)."""
+    return hasattr(torch, "_grouped_mm")
+
+
+def grouped_mm_on_cuda(device: torch.device | int | None = None) -> bool:
+    """torch._grouped_mm runs on this CUDA device (sm90 and later) with this torch."""
+    if not (has_grouped_mm() and torch.cuda.is_available()):
+        return False
+    return torch.cuda.get_device_capability(device) >= GROUPED_MM_CAPABILITY
+
+
+def cuda_compute_dtype(rows: torch.Tensor) -> torch.dtype:
+    """The dtype the expert GEMMs compute in on CUDA: bf16 under bf16 autocast, else the rows' own."""
+    if torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16:
+        return torch.bfloat16
+    return rows.dtype
+
+
+def expert_gemm_of(choice: str, rows: torch.Tensor) -> str:
+    """"grouped" or "loop": what runs for `choice` (auto | grouped | loop, --expert-gemm) on these rows. "auto" is grouped on CUDA where
+    torch._grouped_mm runs and the experts compute in bf16 (its CUDA kernel takes bf16 only), the loop elsewhere."""
+    if choice != "auto":
+        return choice
+    if rows.is_cuda and grouped_mm_on_cuda(rows.device) and cuda_compute_dtype(rows) == torch.bfloat16:
+        return "grouped"
+    return "loop"
+
+
 class GroupedExperts(nn.Module):
     """`experts` MLPs stored as stacked weights w1/w3 [E, f, h] and w2 [E, h, f] (nn.Linear's out x in
     per expert, so Hugging Face experts copy over as they are). Under expert parallelism these are
@@ -93,22 +132,51 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(e, f, h))
         self.w2 = nn.Parameter(torch.empty(e, h, f))
         self.w3 = nn.Parameter(torch.empty(e, f, h)) if self.swiglu else None
+        self.gemm = "auto"  # auto | grouped | loop: the runtime sets it from --expert-gemm
+        self.ran: str | None = None  # what the last forward ran: "grouped" or "loop"
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """`rows` grouped by local expert, counts[i] rows for local expert i."""
-        # unbind, not w1[index]: indexing's backward writes a zero-filled gradient of the whole [E, f, h]
-        # stack per expert (E^2 traffic, a third of an MoE step on CPU); unbind's stacks the E slices once.
-        w1, w2, w3 = (_local(w).unbind(0) if w is not None else None for w in (self.w1, self.w2, self.w3))
+        if not counts:
+            return rows.new_zeros(0, self.w2.shape[1])
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        # No rows at all: the loop's empty GEMMs still give every weight its (zero) gradient.
+        self.ran = expert_gemm_of(self.gemm, rows) if rows.shape[0] else "loop"
+        if self.ran == "grouped":
+            return self._grouped(rows, counts, w1, w2, w3)
+        return self._loop(rows, counts, w1, w2, w3)
+
+    def _loop(self, rows: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor,
+              w3: torch.Tensor | None) -> torch.Tensor:
+        """A GEMM per expert. unbind, not w1[index]: indexing's backward writes a zero-filled gradient of the whole
+        [E, f, h] stack per expert (E^2 traffic, a third of an MoE step on CPU); unbind's stacks the E slices once."""
+        up, down, gate = w1.unbind(0), w2.unbind(0), (w3.unbind(0) if w3 is not None else None)
         outputs = []
         for index, chunk in enumerate(rows.split(counts)):
-            if self.swiglu:
-                hidden = F.silu(chunk @ w1[index].T) * (chunk @ w3[index].T)
+            if gate is not None:
+                hidden = F.silu(chunk @ up[index].T) * (chunk @ gate[index].T)
             else:
-                hidden = F.gelu(chunk @ w1[index].T)
-            outputs.append(hidden @ w2[index].T)
-        if not outputs:
-            return rows.new_zeros(0, self.w2.shape[1])
+                hidden = F.gelu(chunk @ up[index].T)
+            outputs.append(hidden @ down[index].T)
         return torch.cat(outputs)
+
+    def _grouped(self, rows: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor,
+                 w3: torch.Tensor | None) -> torch.Tensor:
+        """One torch._grouped_mm per projection over every expert's rows (offsets: the end row of each expert).
+        On CUDA in bf16 (cast here under autocast, which does not cover the op), on CPU in the rows' dtype."""
+        dtype = cuda_compute_dtype(rows) if rows.is_cuda else rows.dtype
+        ends = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+        offsets = ends.to(rows.device, non_blocking=True)
+        x = rows.to(dtype)
+
+        def project(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return torch._grouped_mm(inputs, weight.to(dtype).transpose(-2, -1), offs=offsets)
+
+        if w3 is not None:
+            hidden = F.silu(project(x, w1)) * project(x, w3)
+        else:
+            hidden = F.gelu(project(x, w1))
+        return project(hidden, w2)
 
 
 def _local(weight: torch.Tensor | None) -> torch.Tensor | None:
@@ -163,16 +231,19 @@ class MoE(nn.Module):
         # over the global batch like the token loss; None = a mean over this call's sequences.
         self.aux_loss_scale: float | None = None
         self.moe_layers = spec.moe_layers
-        # Since the last take_stats(): tokens routed to each expert, and the summed auxiliary loss.
+        # Since the last take_stats(): tokens routed to each expert, and the summed auxiliary loss (both on the
+        # block's device, read once a step).
         self.load: torch.Tensor | None = None  # made on first use (the module is built on meta)
-        self.aux_loss_sum = 0.0
+        self.aux_loss_sum: torch.Tensor | float = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.tokens.scatter(x)
         batch, seq, hidden = x.shape
         tokens = x.reshape(-1, hidden)
-        # Routing in fp32 whatever the compute dtype: top-k choices must not flip with bf16 rounding.
-        logits = F.linear(tokens.float(), self.synced(self.router.weight).float())
+        # Routing in fp32 whatever the compute dtype: top-k choices must not flip with bf16 rounding. Autocast
+        # (one GPU, fp32 weights) would run this linear in bf16 whatever its inputs are, so it is switched off here.
+        with torch.autocast(tokens.device.type, enabled=False):
+            logits = F.linear(tokens.float(), self.synced(self.router.weight).float())
         scores = logits.softmax(dim=-1)
         chooser = scores if self.expert_bias is None else scores + self.expert_bias
         chosen = chooser.topk(self.top_k, dim=-1).indices  # [tokens, top_k]
@@ -203,8 +274,8 @@ class MoE(nn.Module):
             self.load = counted if self.load is None else self.load + counted
         if self.aux_loss_coef > 0 and torch.is_grad_enabled():
             aux = self.aux_loss(scores, chosen, batch, seq)
-            if recording:
-                self.aux_loss_sum += aux.item()
+            if recording:  # kept on the device: a .item() here would make the CPU wait for the GPU every layer
+                self.aux_loss_sum = self.aux_loss_sum + aux.detach().double()
             out = AuxLossToGrad.apply(out, aux)
         return self.tokens.gather(out)
 
@@ -222,8 +293,9 @@ class MoE(nn.Module):
         scale = self.aux_loss_scale if self.aux_loss_scale is not None else 1.0 / (self.moe_layers * batch)
         return self.aux_loss_coef * per_sequence.sum() * scale
 
-    def take_stats(self) -> tuple[torch.Tensor, float]:
-        """Tokens per expert and the summed auxiliary loss recorded since the last call; resets both."""
+    def take_stats(self) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """Tokens per expert and the summed auxiliary loss recorded since the last call (tensors on the block's
+        device, or 0.0 when nothing was recorded); resets both."""
         load = self.load if self.load is not None else torch.zeros(self.experts_count, dtype=torch.float64)
         aux = self.aux_loss_sum
         self.load, self.aux_loss_sum = None, 0.0

@@ -112,21 +112,36 @@ def _median(records: list[dict], name: str, index: int | None = None) -> float |
     return statistics.median(values) if values else None
 
 
-def moe_summary(records: list[dict]) -> dict | None:
-    """Auxiliary loss and expert load of the measured steps (the metrics an MoE run writes), or None."""
+def moe_summary(records: list[dict], events: list[dict] | None = None) -> dict | None:
+    """Auxiliary loss and expert load of the measured steps (the metrics an MoE run writes), how its experts ran,
+    and the expert collapses its events report (runtime/expert_parallel.py CollapseWatch), or None."""
     if not any("expert_load_max_over_mean" in r for r in records):
         return None
     loads = [r["expert_load_max_over_mean"] for r in records if "expert_load_max_over_mean" in r]
+    collapses = [{k: e[k] for k in ("layer", "expert", "since_step", "steps")}
+                 for e in events or [] if e.get("kind") == "expert_collapse"]
     return {"aux_loss_median": _median(records, "aux_loss"), "aux_loss_last": records[-1].get("aux_loss"),
             "expert_load_max_over_mean_median": statistics.median(loads),
             "expert_load_max_over_mean_worst": max(loads),
-            "expert_rank_imbalance_median": _median(records, "expert_rank_imbalance")}
+            "expert_rank_imbalance_median": _median(records, "expert_rank_imbalance"),
+            "expert_gemm": records[-1].get("expert_gemm"), "collapses": collapses}
+
+
+def with_run_precision(stack: Any, records: list[dict]) -> Any:
+    """The stack as the run ran: compiled blocks (--compile), its FP8 recipe and how its MoE experts ran (the
+    metrics records say "compile", "fp8_recipe" and "expert_gemm")."""
+    from fivefold.cost.fp8 import with_fp8_recipe
+    from fivefold.cost.stack import with_compile, with_expert_gemm
+
+    last = records[-1] if records else {}
+    stack = with_compile(stack, any(r.get("compile") for r in records))
+    return with_expert_gemm(with_fp8_recipe(stack, last.get("fp8_recipe")), last.get("expert_gemm"))
 
 
 def build_report(run: Run, stack_name: str | None = None) -> tuple[Report, Any, Any]:
     """(Report, Estimate, SimResult) of a run; the picture is written separately (report/timeline.py)."""
     from fivefold.cost import estimate, stack_named
-    from fivefold.cost.stack import with_compile
+    from fivefold.elastic.events import read_events
     from fivefold.sim import simulate_plan
 
     plan, notes = run.plan, []
@@ -137,8 +152,14 @@ def build_report(run: Run, stack_name: str | None = None) -> tuple[Report, Any, 
         notes.append(f"predicted with the expert imbalance this run measured ({routed:.3g}, the busiest ep rank's "
                      f"tokens over the mean); the plan said {plan.train.expert_imbalance:.3g}")
         plan = replace(plan, train=replace(plan.train, expert_imbalance=max(1.0, routed)))
-    # A run with --compile is predicted with compiled blocks (its metrics records say "compile": true).
-    stack = with_compile(stack_named(stack_name or default_stack()), any(r.get("compile") for r in run.measured))
+    # The experts' GEMMs take the shapes the router gave them: the busiest expert's tokens over the mean, as measured.
+    load = _median(run.measured, "expert_load_max_over_mean")
+    if load is not None and abs(load - plan.train.expert_load) > 0.005:
+        notes.append(f"predicted with the expert load this run measured (the busiest expert {load:.3g}x the mean over "
+                     f"experts, worst MoE layer, median of the measured steps); the plan said "
+                     f"{plan.train.expert_load:.3g}")
+        plan = replace(plan, train=replace(plan.train, expert_load=max(1.0, load)))
+    stack = with_run_precision(stack_named(stack_name or default_stack()), run.measured)
     predicted = estimate(plan, stack)
     simulated = simulate_plan(plan, estimate=predicted)
     measured = run.measured
@@ -175,7 +196,7 @@ def build_report(run: Run, stack_name: str | None = None) -> tuple[Report, Any, 
 
     report = Report(run=str(run.folder), plan=plan.describe(), stack=stack.name, warmup_steps=run.warmup_steps,
                     measured_steps=[r["step"] for r in measured], figures=figures, ranks=ranks, breakdown=[],
-                    sources=[], notes=notes, moe=moe_summary(run.measured))
+                    sources=[], notes=notes, moe=moe_summary(run.measured, read_events(run.folder)))
     sim_parts = simulated_parts(simulated)
     steps = split_by_step(run.trace, run.warmup_steps) if run.trace else []
     if steps:

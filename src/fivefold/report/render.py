@@ -106,7 +106,12 @@ def report_renderables(report: Report) -> list[Any]:
                    f"(worst layer): median {moe['expert_load_max_over_mean_median']:.3g}, worst step "
                    f"{moe['expert_load_max_over_mean_worst']:.3g} (1 = balanced)"
                    + (f"; busiest ep rank's tokens / mean: median {moe['expert_rank_imbalance_median']:.3g}"
-                      if moe.get("expert_rank_imbalance_median") is not None else ""))
+                      if moe.get("expert_rank_imbalance_median") is not None else "")
+                   + (f"; experts ran as {'grouped GEMMs' if moe['expert_gemm'] == 'grouped' else 'a GEMM per expert'}"
+                      if moe.get("expert_gemm") else ""))
+        for collapse in moe.get("collapses", []):
+            out.append(f"expert collapse: MoE layer {collapse['layer']} sent every token to expert {collapse['expert']} "
+                       f"for {collapse['steps']} steps from step {collapse['since_step']} (the run's events)")
     for note in report.notes:
         out.append(f"note: {note}")
     if report.timeline:

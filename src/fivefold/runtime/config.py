@@ -20,6 +20,11 @@ from fivefold.runtime.schedule import check_optimizer_flags, lr_at, optimizer_re
 from fivefold.spec import Plan, plan_from_dict
 from fivefold.spec.diloco import DILOCO_FLAGS, DiLoCoSpec, check_diloco_flags, spec_from_flags
 
+# What --expert-gemm and --fp8-recipe take (models/moe.py GroupedExperts and runtime/float8.py run them; kept here
+# without torch so the CLI checks them before anything heavy is loaded).
+EXPERT_GEMMS = ("auto", "grouped", "loop")
+RUNTIME_FP8_RECIPES = ("tensorwise", "rowwise")
+
 MAX_LR = 10.0  # a peak learning rate above this diverges on the first step
 MAX_TIMEOUT_S = 7 * 24 * 3600  # torch keeps collective timeouts in milliseconds; a week is already no timeout
 MAX_FACTOR = 1e6  # gradient norms and slowdown factors
@@ -63,6 +68,8 @@ class RunConfig:
     progress_file: str | None = None  # rank 0 writes the last finished step here (the launcher's interrupt line)
     metrics_every: int = 10  # gather per-rank metrics every N steps (runtime/bookkeeping.py)
     compile: bool = False  # torch.compile each transformer block (runtime/parallelize.py apply_compile)
+    expert_gemm: str = "auto"  # MoE experts: auto | grouped (torch._grouped_mm) | loop (a GEMM per expert)
+    fp8_recipe: str | None = None  # --dtype fp8: tensorwise (default) | rowwise (runtime/float8.py)
     lr_schedule: str = "cosine"  # cosine | wsd | linear | constant, after the warmup (runtime/schedule.py)
     min_lr: float | None = None  # where the decay ends; None = 10% of --lr
     decay_steps: int | None = None  # WSD: the last steps that decay to min_lr; None = 20% of the steps
@@ -126,6 +133,8 @@ class RunConfig:
                 "must be at least 1 step")
         require(self.steps >= 1, "--steps", self.steps, "must be at least 1")
         require(self.metrics_every >= 1, "--metrics-every", self.metrics_every, "must be at least 1 step")
+        check_fp8_recipe(self.fp8_recipe)
+        require(self.expert_gemm in EXPERT_GEMMS, "--expert-gemm", self.expert_gemm, f"use one of {', '.join(EXPERT_GEMMS)}")
         self.validate_eval()
         self.validate_numbers()
         check_optimizer_flags(self.lr, self.steps, self.warmup_steps, self.lr_schedule, self.min_lr,
@@ -215,3 +224,16 @@ def check_gpu_dtype(dtype: str) -> None:
     """The one fp16 refusal: the runtime has no loss scaling (CPU ranks compute in fp32 whatever the plan says)."""
     require(dtype != "fp16", "train.dtype", dtype, "fp16 needs loss scaling, which the runtime does not do; "
                                                    "use bf16 or fp32")
+
+
+def check_fp8_recipe(recipe: str | None) -> None:
+    """--fp8-recipe of `train`: a recipe the runtime runs (torchao's two), else one line naming what it does run."""
+    if recipe is None or recipe in RUNTIME_FP8_RECIPES:
+        return
+    from fivefold.cost.fp8 import FP8_RECIPES
+
+    runs = " or ".join(RUNTIME_FP8_RECIPES)
+    if recipe in FP8_RECIPES:  # a Transformer Engine recipe the cost model prices for Megatron-Core
+        raise SpecError("--fp8-recipe", recipe, f"is Transformer Engine's recipe, which the cost model prices for "
+                        f"--stack megatron-core; fivefold's runtime trains {runs}")
+    raise SpecError("--fp8-recipe", recipe, f"no such FP8 recipe; fivefold's runtime trains {runs}")

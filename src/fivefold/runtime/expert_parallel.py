@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import PrepareModuleInput
 from fivefold.errors import require
 from fivefold.models.moe import MoE
 from fivefold.runtime.expert_folding import AllToAllDispatch, ExpertTensorParallel, FoldedDispatch, SplitTokens
-from fivefold.spec import Plan
+from fivefold.spec import ModelSpec, Plan
 from fivefold.spec.folding import EXPERT_DIMS
 
 
@@ -51,6 +51,24 @@ def check_moe_runnable(plan: Plan) -> None:
                 f"--seq-len divisible by cp x tp = {plan.cp * plan.tp}")
 
 
+def check_expert_gemm(plan: Plan, choice: str, device: str) -> None:
+    """--expert-gemm grouped|loop: an MoE model, and for grouped a torch and device whose torch._grouped_mm runs
+    (CUDA: sm90+ in bf16; CPU: fp32)."""
+    from fivefold.models.moe import grouped_mm_on_cuda, has_grouped_mm
+
+    require(plan.model.is_moe, "--expert-gemm", choice, f"chooses how MoE experts run; {plan.model.name} is dense "
+            "(no experts): leave it out")
+    if choice != "grouped":
+        return
+    require(has_grouped_mm(), "--expert-gemm", choice, f"torch {torch.__version__} has no torch._grouped_mm (2.8 "
+            "and later have it); use --expert-gemm loop")
+    if device == "cuda":
+        require(grouped_mm_on_cuda(), "--expert-gemm", choice, "torch._grouped_mm needs a GPU of compute capability "
+                "9.0 or newer (H100, H200, B200); use --expert-gemm loop")
+        require(plan.train.dtype != "fp32", "--expert-gemm", choice, "torch._grouped_mm computes in bf16 on CUDA; "
+                "train in bf16 (or fp8), or use --expert-gemm loop with fp32")
+
+
 def folds_experts(plan: Plan) -> bool:
     """Whether the MoE layers need the expert view of the world: experts split (ep, etp) or tokens split
     over tp (then expert gradients are summed over edp, which spans tp)."""
@@ -64,6 +82,12 @@ def expert_mesh(plan: Plan, device: torch.device) -> DeviceMesh:
 
 def moe_blocks(model: nn.Module) -> list[MoE]:
     return [module for module in model.modules() if isinstance(module, MoE)]
+
+
+def set_expert_gemm(model: nn.Module, choice: str) -> None:
+    """How the experts of every MoE block run (--expert-gemm: auto, grouped or loop; models/moe.py)."""
+    for block in moe_blocks(model):
+        block.experts.gemm = choice
 
 
 def moe_tensor_parallel_style(sequence_parallel: bool) -> PrepareModuleInput | None:
@@ -160,7 +184,8 @@ def moe_step_metrics(parts: dict[int, nn.Module], plan: Plan, device: torch.devi
     """
     model = plan.model
     moe_layer_ids = [i for i in range(model.layers) if model.is_moe_layer(i)]
-    totals = torch.zeros(len(moe_layer_ids) * model.experts + 1, dtype=torch.float64)
+    # Filled on the device and read once: the step's only wait on the GPU for these statistics.
+    totals = torch.zeros(len(moe_layer_ids) * model.experts + 1, dtype=torch.float64, device=device)
     blocks: dict[int, MoE] = {}
     for part in parts.values():
         for name, module in part.named_modules():
@@ -169,12 +194,11 @@ def moe_step_metrics(parts: dict[int, nn.Module], plan: Plan, device: torch.devi
                 blocks[layer] = module
                 load, aux = module.take_stats()
                 row = moe_layer_ids.index(layer)
-                totals[row * model.experts:(row + 1) * model.experts] = load.cpu()
-                totals[-1] += aux
+                totals[row * model.experts:(row + 1) * model.experts] = load.to(device)
+                totals[-1] += aux.to(device) if isinstance(aux, torch.Tensor) else aux
     if dist.is_initialized() and dist.get_world_size() > 1:
-        totals = totals.to(device)
         dist.all_reduce(totals)
-        totals = totals.cpu()
+    totals = totals.cpu()
     loads = totals[:-1].view(len(moe_layer_ids), model.experts)
     if update_bias and model.router_bias_rate > 0:
         for layer, block in blocks.items():
@@ -182,14 +206,67 @@ def moe_step_metrics(parts: dict[int, nn.Module], plan: Plan, device: torch.devi
             step = model.router_bias_rate * torch.sign(load.mean() - load)
             block.expert_bias.add_(step.to(block.expert_bias.device, torch.float32))
     per_layer = _max_over_mean(loads).tolist()
+    tokens = loads.sum(dim=1) / model.top_k  # every token makes top_k copies, at most one per expert
+    busiest = loads.max(dim=1)
+    ran = {block.experts.ran for block in blocks.values()} - {None}
     metrics = {"aux_loss": totals[-1].item(), "expert_load_max_over_mean": max(per_layer),
+               # what ran on this rank ("grouped" or "loop"; every rank decides alike), for the report's prediction
+               **({"expert_gemm": "grouped" if "grouped" in ran else "loop"} if ran else {}),
                "expert_load_per_layer": [round(v, 4) for v in per_layer],
+               # per MoE layer: its busiest expert and whether that expert took every token (CollapseWatch)
+               "expert_busiest": [[int(e), bool(n > 0 and n >= t)] for e, n, t in
+                                  zip(busiest.indices.tolist(), busiest.values.tolist(), tokens.tolist())],
                # token copies the experts computed per MoE layer: tokens x top_k when no rank repeats another's
                "expert_copies": int(loads.sum(dim=1).max().item())}
     if plan.ep > 1:  # what the step waits for: the busiest ep rank's experts (train.expert_imbalance's meaning)
         per_rank = loads.view(len(moe_layer_ids), plan.ep, -1).sum(dim=2)
         metrics["expert_rank_imbalance"] = _max_over_mean(per_rank).mean().item()
     return metrics
+
+
+# Steps in a row a layer's busiest expert must take every token before the run reports an expert collapse.
+COLLAPSE_STEPS = 3
+
+
+def balance_warning(model: ModelSpec) -> str | None:
+    """The launch warning for an MoE model that nothing keeps balanced: no auxiliary loss, no bias update."""
+    if not model.is_moe or model.aux_loss_coef > 0 or model.router_bias_rate > 0:
+        return None
+    return (f"{model.name} is an MoE model with neither an auxiliary loss (aux_loss_coef=0) nor a bias update "
+            "(router_bias_rate=0): nothing stops the router from sending every token to the same experts; set "
+            "aux_loss_coef (e.g. 0.01) or router_bias_rate (e.g. 0.001) in the model")
+
+
+class CollapseWatch:
+    """Expert collapse: an MoE layer whose busiest expert takes every token (its load max/mean is experts / top_k,
+    the most it can be) for COLLAPSE_STEPS steps in a row. observe() returns each collapse once, when its streak
+    reaches that length; a layer that recovers and collapses again is reported again."""
+
+    def __init__(self, model: ModelSpec, steps: int = COLLAPSE_STEPS) -> None:
+        self.layers = [i for i in range(model.layers) if model.is_moe_layer(i)]
+        self.top_k, self.steps = model.top_k, steps
+        self.since: dict[int, tuple[int, int]] = {}  # layer -> (first step of the streak, expert)
+
+    def observe(self, step: int, busiest: list[tuple[int, bool]]) -> list[dict]:
+        """`busiest`: per MoE layer (moe_step_metrics' expert_busiest), the busiest expert and whether it took
+        every token this step."""
+        found = []
+        for layer, (expert, every_token) in zip(self.layers, busiest):
+            streak = self.since.get(layer)
+            if not every_token or (streak is not None and streak[1] != expert):
+                self.since.pop(layer, None)
+                if not every_token:
+                    continue
+            first, _ = self.since.setdefault(layer, (step, expert))
+            if step - first + 1 == self.steps:
+                found.append({"layer": layer, "expert": expert, "since_step": first, "steps": self.steps})
+        return found
+
+
+def describe_collapse(found: dict, model: ModelSpec) -> str:
+    return (f"expert collapse: MoE layer {found['layer']} has sent every token to expert {found['expert']} for "
+            f"{found['steps']} steps (from step {found['since_step']}; load {model.experts // model.top_k}x the "
+            "mean, the most it can be); raise aux_loss_coef or router_bias_rate")
 
 
 def _max_over_mean(loads: torch.Tensor) -> torch.Tensor:

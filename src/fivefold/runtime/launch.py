@@ -80,8 +80,9 @@ def check_runnable(plan: Plan, nproc: int, device: str = "cpu", gpus: int = 0, l
                         f"must divide model.max_seq_len={m.max_seq_len} (the position table is split over tp)")
     require(plan.model.sliding_window == 0, "model.sliding_window", plan.model.sliding_window, "sliding-window attention is "
             "costed by the planner but not built by fivefold's models; train with sliding_window=0")
-    require(plan.train.dtype != "fp8", "train.dtype", "fp8", "fivefold's runtime has no FP8 training (the cost "
-            "model's torchtitan and megatron-core stacks do); train in bf16")
+    if plan.train.dtype == "fp8":  # FP8 GEMMs need FP8 tensor cores (runtime/float8.py)
+        from fivefold.runtime.float8 import check_fp8_device
+        check_fp8_device(device)
     if plan.schedule in SPLIT_BACKWARD and plan.pp > 1:
         # Both found by the parity tests on torch 2.13: zero 3 with these schedules gives wrong weight
         # gradients; selective recompute refuses the second (weight) backward over a saved region.

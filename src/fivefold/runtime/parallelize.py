@@ -125,6 +125,8 @@ _SAVE_OPS = {
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_gather_into_tensor.default,
     torch.ops._c10d_functional.all_reduce.default,
+    torch.ops.aten._scaled_mm.default,  # FP8 GEMMs (runtime/float8.py)
+    *([torch.ops.aten._grouped_mm.default] if hasattr(torch.ops.aten, "_grouped_mm") else []),  # MoE experts
 }
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from fivefold.data import write_data_caches
 from fivefold.errors import require
 from fivefold.runtime.config import RunConfig
+from fivefold.runtime.expert_parallel import balance_warning
 from fivefold.runtime.launch import check_data, check_runnable, prepare_run_dir, resolve_device, torchrun_world
 from fivefold.spec import Plan
 
@@ -55,6 +56,9 @@ def prepare_run(plan: Plan, config: RunConfig, *, nproc: int | None, plan_file: 
         if is_rank0:
             say(line)
     check_runnable(plan, world, device, gpus, local_nproc)
+    check_precision_flags(plan, config, device)
+    if is_rank0 and (line := balance_warning(plan.model)):
+        warn(line)
     config.diloco(plan)  # --dp-sync diloco against this plan: the outer groups must split its dp
     if plan.vocab_parallel:
         require(config.dp_sync == "sync", "--vocab-parallel", True, "runs with --dp-sync sync only")
@@ -73,6 +77,16 @@ def prepare_run(plan: Plan, config: RunConfig, *, nproc: int | None, plan_file: 
     config = dataclasses.replace(config, plan_toml=plan.to_toml(), device=device, run_dir=run_dir,
                                  resume_from=str(resume_from) if resume_from else None)
     return PreparedRun(plan, config, world, worker_flags, plan_file, worker_world[2] if worker_world else None)
+
+
+def check_precision_flags(plan: Plan, config: RunConfig, device: str) -> None:
+    """--fp8-recipe and --expert-gemm against the plan and this machine (runtime/float8.py, models/moe.py)."""
+    require(config.fp8_recipe is None or plan.train.dtype == "fp8", "--fp8-recipe", config.fp8_recipe,
+            f"scales FP8 GEMMs: it needs --dtype fp8 (the plan trains in {plan.train.dtype})")
+    if config.expert_gemm != "auto":
+        from fivefold.runtime.expert_parallel import check_expert_gemm
+
+        check_expert_gemm(plan, config.expert_gemm, device)
 
 
 def check_same_data(checkpoint: Path, data: Any, plan: Plan, config: RunConfig) -> None:

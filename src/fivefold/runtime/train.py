@@ -36,8 +36,9 @@ from fivefold.runtime.context_parallel import (apply_context_parallel, data_para
                                                shard_batch, split_micro_batches)
 from fivefold.runtime.elastic_run import ElasticRun
 from fivefold.runtime.evaluate import Evaluator
-from fivefold.runtime.expert_parallel import (forget_metadata_inference, moe_step_metrics, prepare_moe,
-                                              sequence_split)
+from fivefold.runtime.expert_parallel import (CollapseWatch, describe_collapse, forget_metadata_inference,
+                                              moe_step_metrics, prepare_moe, sequence_split, set_expert_gemm)
+from fivefold.runtime.float8 import convert_to_float8
 from fivefold.runtime.knobs import NO_KNOBS, FaultKnobs
 from fivefold.runtime.mesh import Mesh, build_mesh, init_distributed, pick_device
 from fivefold.runtime.metrics import MetricsFile, Progress, StepMeter, summarize
@@ -74,10 +75,13 @@ def compute_dtype(plan: Plan, device: torch.device) -> torch.dtype | None:
 
 def build_model_parts(plan: Plan, mesh: Mesh, seed: int, param_dtype: torch.dtype | None,
                       knobs: FaultKnobs = NO_KNOBS, compile_blocks: bool = False,
-                      cpu_overlap: bool = False) -> dict[int, nn.Module]:
+                      cpu_overlap: bool = False, fp8_recipe: str | None = None,
+                      expert_gemm: str = "auto") -> dict[int, nn.Module]:
     """This rank's stage models, keyed by virtual stage index, parallelized and initialised. `cpu_overlap`
     (training on CPU): ZeRO-0 plain dp is left for DDP (train() wraps it after init) and ZeRO-1/2/3 reduce
-    asynchronously (runtime/parallelize.py); the dry run keeps the GPU runtime's form."""
+    asynchronously (runtime/parallelize.py); the dry run keeps the GPU runtime's form. An fp8 plan's block
+    linears become FP8 ones (`fp8_recipe`, default tensorwise; runtime/float8.py) before any parallelism;
+    `expert_gemm`: how MoE experts run (models/moe.py)."""
     parts = {}
     moe_mesh = mesh.experts
     moe_tokens = sequence_split(plan, mesh.world) if plan.model.is_moe else None
@@ -85,6 +89,9 @@ def build_model_parts(plan: Plan, mesh: Mesh, seed: int, param_dtype: torch.dtyp
     under_ddp = cpu_overlap and uses_ddp(plan, mesh.device)
     for stage in plan.stages_of(mesh.coords["pp"]):
         model = knobs.stage_model(build_stage_model(plan, stage), plan, mesh.rank)
+        if plan.train.dtype == "fp8":
+            convert_to_float8(model, fp8_recipe or "tensorwise", plan.tp)
+        set_expert_gemm(model, expert_gemm)
         if plan.tp > 1:
             apply_tensor_parallel(model, mesh["tp"], plan.sequence_parallel, positions_per_row(plan))
         if plan.cp > 1:
@@ -205,7 +212,8 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
 
     param_dtype = compute_dtype(plan, device)
     parts = build_model_parts(plan, mesh, config.seed, param_dtype, knobs, config.compile,
-                              cpu_overlap=device.type == "cpu")
+                              cpu_overlap=device.type == "cpu", fp8_recipe=config.fp8_recipe,
+                              expert_gemm=config.expert_gemm)
     params = [p for part in parts.values() for p in part.parameters()]
     dp_rank = mesh.coords["dp"]
     group_index = dp_rank // (plan.dp // groups)  # this rank's outer group (DiLoCo); 0 otherwise
@@ -242,6 +250,7 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
     progress = Progress(config.steps, f"training {plan.model.name}: {plan.describe()} on {plan.world_size} "
                         f"{device.type} process(es)", stream) if is_rank0 and config.show_progress else None
     history: list[dict] = []
+    collapse = CollapseWatch(plan.model) if plan.model.is_moe else None
     step = first_step
     while step < config.steps:
         meter.start()
@@ -275,6 +284,8 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
                                  totals.metrics_requested)
         if config.compile:
             moe_metrics = {**moe_metrics, "compile": True}  # the report predicts it with compiled blocks
+        if plan.train.dtype == "fp8":  # ... and with the FP8 recipe that ran
+            moe_metrics = {**moe_metrics, "fp8_recipe": config.fp8_recipe or "tensorwise"}
         record = meter.finish(step + 1, loss, grad_norm, lr, verdict.bad, elastic.forward_seconds(), moe_metrics,
                               gather)
         tracer.end_step()
@@ -282,6 +293,11 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
             record.update(evaluator.evaluate(step_model, rows, mesh.coords["cp"], mesh.coords["tp"],
                                              end_of_document, groups))
         history.append(record)
+        if collapse is not None and is_rank0:  # reported in the run's events (RUN/events.jsonl) and on the log
+            for found in collapse.observe(step + 1, record["expert_busiest"]):
+                elastic.events.write("expert_collapse", step=step + 1, **found)
+                if log is not None:
+                    log(describe_collapse(found, plan.model))
         if is_rank0:
             metrics.write(record)
             if progress is not None:

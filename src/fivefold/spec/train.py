@@ -25,6 +25,8 @@ class TrainSpec:
     #                       BF16 elsewhere, as TorchTitan's Float8 and Megatron's FP8 recipes)
     optimizer: str = "adamw"  # only AdamW for now
     expert_imbalance: float = 1.0  # MoE: tokens of the busiest rank's experts / the mean (1 = balanced)
+    expert_load: float = 1.0  # MoE: tokens of the busiest expert / the mean over experts (1 = balanced; a run's
+    #                           measured expert_load_max_over_mean: `fivefold report` predicts with it)
     # Packed documents: positions restart at each end-of-document token and attention stays inside each
     # document (the runtime builds the mask from document ids; the cost model is unchanged by it).
     document_mask: bool = False
@@ -40,6 +42,8 @@ class TrainSpec:
                 "train.expert_imbalance", self.expert_imbalance,
                 f"must be from 1 to {MAX_EXPERT_IMBALANCE} (busiest rank's expert tokens over the mean; 1 = "
                 "balanced; it cannot exceed ep, all tokens on one rank)")
+        require(is_real(self.expert_load) and self.expert_load >= 1.0, "train.expert_load", self.expert_load,
+                "must be 1 or more (busiest expert's tokens over the mean over experts; 1 = balanced)")
 
     @property
     def tokens_per_step(self) -> int:
