@@ -1,6 +1,7 @@
 """`fivefold train ... --slurm`: an sbatch script for the plan, printed instead of training.
 
-One task per node runs torchrun (the agent), which starts the node's workers; the rendezvous comes from Slurm's
+One task per node runs torchrun (the agent, elastic/torchrun.py: torch's, with one line instead of a traceback
+when SIGTERM stops it), which starts the node's workers; the rendezvous comes from Slurm's
 variables: the first host of $SLURM_JOB_NODELIST is the c10d endpoint, $SLURM_JOB_ID the rendezvous id and the
 source of its port, and $SLURM_NNODES the node count. The plan travels inside the script (written next to it at
 run time), so the script alone is the job; every worker then runs `fivefold train --torchrun-worker` with all
@@ -71,7 +72,7 @@ def slurm_script(plan: Plan, run_flags: list[str], nodes: int, per_node: int, ma
     cores = per_node * (threads + WRITER_CORES) + AGENT_CORES
     worker = " ".join(shlex.quote(flag) for flag in run_flags)
     passed = [f"#SBATCH --{name}={value}" for name, value in (sbatch or {}).items() if value]
-    torchrun = (f'srun --kill-on-bad-exit=1 {shlex.quote(sys.executable)} -m torch.distributed.run '
+    torchrun = (f'srun --kill-on-bad-exit=1 {shlex.quote(sys.executable)} -m fivefold.elastic.torchrun '
                 f'--nnodes "$SLURM_NNODES" --nproc-per-node {per_node}'
                 + (f" --max-restarts {max_restarts}" if max_restarts else "")
                 + ' --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head_node:$rdzv_port" '
