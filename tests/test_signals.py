@@ -73,7 +73,15 @@ def lines(path: Path) -> int:
 def test_interrupted_training_stops_every_worker_and_names_the_newest_checkpoint(tmp_path, signum, code,
                                                                                   whole_group, nproc):
     metrics = tmp_path / "run" / "metrics.jsonl"
-    process = start(["train", "--nproc", str(nproc), "--dp", str(nproc), "--steps", "100000", *SMALL,
+    tokenizer = []
+    if signum == signal.SIGTERM:  # checkpoints carry the run's tokenizer
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        hf = Tokenizer(models.WordLevel({"<unk>": 0, **{f"w{i}": i for i in range(1, 300)}}, unk_token="<unk>"))
+        hf.pre_tokenizer = pre_tokenizers.Whitespace()
+        hf.save(str(tmp_path / "tokenizer.json"))
+        tokenizer = ["--tokenizer", "tokenizer.json"]
+    process = start(["train", "--nproc", str(nproc), "--dp", str(nproc), "--steps", "100000", *SMALL, *tokenizer,
                      "--checkpoint-dir", "ck", "--checkpoint-every", "1", "--metrics-file", "run/metrics.jsonl"],
                     tmp_path)
     workers: dict = {}
@@ -98,6 +106,8 @@ def test_interrupted_training_stops_every_worker_and_names_the_newest_checkpoint
     if signum == signal.SIGTERM:  # the workers ended their step and finished its save, which was in flight
         assert saved == step - 1
         assert f"SIGTERM: stopping after step {saved}; finished the save of step {saved} in flight" in out[0], out[0]
+        checkpoint = tmp_path / "ck" / f"step-{saved:08d}"
+        assert (checkpoint / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
     wait_for(lambda: not any(alive(pid) for pid in workers.values()), 30)
     for folder in (tmp_path / "ck").glob("step-*"):  # whole, or visibly incomplete (no COMMIT): never half
         assert not (folder / "COMMIT").exists() or checkpoint_problem(folder) is None

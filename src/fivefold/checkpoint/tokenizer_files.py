@@ -66,11 +66,13 @@ def export_tokenizer(source: str | Path | None, folder: str | Path, max_length: 
 
 
 def end_of_document_name(tokenizer_json: Path) -> str | None:
-    """The tokenizer's end-of-document token (data/tokenizer.py's names), as text."""
+    """The tokenizer's end-of-document token (data/tokenizer.py's names, looked up as HFTokenizer does), as text."""
+    from tokenizers import Tokenizer
+
     from fivefold.data.tokenizer import END_OF_DOCUMENT_NAMES
 
     try:
-        added = {token.get("content") for token in json.loads(tokenizer_json.read_text()).get("added_tokens", [])}
-    except (OSError, ValueError, AttributeError):
+        tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception on malformed files: no eos then
         return None
-    return next((name for name in END_OF_DOCUMENT_NAMES if name in added), None)
+    return next((name for name in END_OF_DOCUMENT_NAMES if tokenizer.token_to_id(name) is not None), None)
