@@ -44,7 +44,7 @@ def dp2_reference(tmp_path_factory):
     from fivefold.cli import main
 
     folder = tmp_path_factory.mktemp("reference")
-    code = main([*DP2_REFERENCE, "--metrics-file", str(folder / "metrics.jsonl"), "--checkpoint-dir", str(folder / "ck"),
-                 "--checkpoint-every", "2", "--keep", "4"])
+    code = main([*DP2_REFERENCE, "--metrics-file", str(folder / "metrics.jsonl"),
+                 "--checkpoint-dir", str(folder / "ck"), "--checkpoint-every", "2", "--keep", "4"])
     assert code == 0
     return folder

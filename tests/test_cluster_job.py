@@ -265,8 +265,9 @@ def test_hf_folders_bring_their_tokenizer_to_training_and_through_convert(tmp_pa
                                                                        "step (10); profile steps within --steps"),
     (["--profile-steps", "2-3"], "--profile-steps='2-3': needs --metrics-file RUN/metrics.jsonl: the traces are "
                                  "written to RUN/profile/"),
-    (["--profile-steps", "two", "--metrics-file", "r/metrics.jsonl"], "--profile-steps='two': give the first and last step profiled, e.g. 3-5 (or one "
-                                 "step, e.g. 4)"),
+    (["--profile-steps", "two", "--metrics-file", "r/metrics.jsonl"], "--profile-steps='two': give the first and "
+                                                                      "last step profiled, e.g. 3-5 (or one step, "
+                                                                      "e.g. 4)"),
     (["--wandb", "my project"], "--wandb='my project': a project name of letters, digits, '.', '_' and '-' "
                                 "(ENTITY/PROJECT also works)"),
     (["--data", "0.7:story.txt@text,0.3:story.txt"], "--data='story.txt@text': only JSONL, Parquet and `datasets` "

@@ -12,10 +12,10 @@
 
 A key is the flag's name without the dashes, `-` written `_` (`--warmup-steps` -> warmup_steps). The file sets
 the flags' defaults, so flags given on the command line win. Paths in the file are read from the file's folder
-(and --dump-config writes them as seen from its file's folder), so a job file travels with its data. Each value is checked against its flag (kind,
-choices) and an unknown section or key is one line naming it. `--dump-config FILE` writes the effective job
-(every flag's value, after the command line) in this form. argparse reads the flags; tomllib and tomli_w the
-file; no torch import.
+(and --dump-config writes them as seen from its file's folder), so a job file travels with its data. Each value
+is checked against its flag (kind, choices, the flag's own parser) and an unknown section or key is one line
+naming it. `--dump-config FILE` writes the effective job (every flag's value, after the command line) in this
+form. argparse reads the flags; tomllib and tomli_w the file; no torch import.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 caching allocator's memory history over the same steps.
 
     RUN/profile/rank<R>-steps<A>-<B>.trace.json      Chrome trace JSON: open it in https://ui.perfetto.dev or
-                                                     chrome://tracing (CPU ops with their input shapes, CUDA kernels on a GPU)
+                                                     chrome://tracing (CPU ops with their input shapes, CUDA
+                                                     kernels on a GPU)
     RUN/profile/rank<R>-steps<A>-<B>.memory.pickle   CUDA only: torch.cuda.memory._dump_snapshot, for
                                                      https://pytorch.org/memory_viz
 
