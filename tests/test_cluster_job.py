@@ -298,3 +298,31 @@ def test_bad_values_in_a_job_file_name_the_file_and_key(tmp_path, capsys, launch
     job.write_text('[slurm]\ntime = "1:00:00"\n')
     assert main([*RUN, "--config", str(job)]) == 2  # sbatch's flags go with --slurm, from a file too
     assert capsys.readouterr().err.endswith("--time='1:00:00': is passed to sbatch: it goes with --slurm\n")
+
+
+def test_wandb_goes_offline_without_a_key_or_a_server(tmp_path, monkeypatch):
+    import socket
+
+    from fivefold.local import free_port
+    from fivefold.runtime.tracking import wandb_mode
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    assert wandb_mode() == "offline"  # no API key: nothing could be uploaded
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    assert wandb_mode() == "offline"
+    with socket.socket() as server:  # a server that answers (on this machine only)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
+        assert wandb_mode() == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert wandb_mode() == "disabled"  # the user's choice wins
+
+
+def test_the_printed_torchrun_line_carries_max_restarts(tmp_path, launched, capsys):
+    assert main([*RUN, "--max-restarts", "2", "--metrics-file", str(tmp_path / "run" / "metrics.jsonl")]) == 0
+    line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("on several machines"))
+    assert " --max-restarts 2 --rdzv-backend c10d " in line and launched.nprocs == [1]

@@ -215,8 +215,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    "Biases project PROJECT (ENTITY/PROJECT also works; offline files in the run folder when there is "
                    "no network or WANDB_MODE=offline; needs the `tracking` extra)")
     p.add_argument("--profile-steps", default=None, metavar="A-B", help="torch.profiler over steps A to B on every "
-                   "rank: RUN/profile/rank<R>.trace.json (Perfetto, chrome://tracing) and on CUDA a memory snapshot; "
-                   "needs --metrics-file")
+                   "rank: RUN/profile/rank<R>-steps<A>-<B>.trace.json (Perfetto, chrome://tracing), on CUDA a memory "
+                   "snapshot; needs --metrics-file")
     p.add_argument("--checkpoint-dir", default=None,
                    help="folder of step-XXXXXXXX checkpoints (saved in the background; always after the last step)")
     p.add_argument("--checkpoint-every", type=int, default=0,
