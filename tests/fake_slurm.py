@@ -72,7 +72,10 @@ import os, sys
 from pathlib import Path
 
 if sys.argv[1:3] == ["show", "hostnames"]:
-    print("\n".join(sys.argv[3].split(",")))
+    try:
+        print("\n".join(sys.argv[3].split(",")), flush=True)
+    except BrokenPipeError:  # `| head -n 1` stops reading after the first host
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 elif sys.argv[1] == "requeue":
     (Path(os.environ["FAKE_SLURM_DIR"]) / "requeue").write_text(sys.argv[2] + "\n")
 else:

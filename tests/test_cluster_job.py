@@ -326,3 +326,42 @@ def test_the_printed_torchrun_line_carries_max_restarts(tmp_path, launched, caps
     assert main([*RUN, "--max-restarts", "2", "--metrics-file", str(tmp_path / "run" / "metrics.jsonl")]) == 0
     line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("on several machines"))
     assert " --max-restarts 2 --rdzv-backend c10d " in line and launched.nprocs == [1]
+
+
+CHILD = """
+import importlib.util, os, signal, sys, time
+spec = importlib.util.spec_from_file_location("preemption", sys.argv[1])  # the module alone: no torch to import
+preemption = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(preemption)
+marker = os.environ[preemption.TERM_MARKER_ENV]
+for case in ("marked", "plain torchrun", "not marked"):
+    if case == "plain torchrun":
+        os.environ.pop(preemption.TERM_MARKER_ENV)
+    if case == "not marked":
+        os.environ[preemption.TERM_MARKER_ENV] = marker
+        os.unlink(marker)
+    watch = preemption.TermWatch().install()
+    os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while not watch.requested and time.monotonic() < deadline:
+        time.sleep(0.02)  # a step in progress: the handler runs, the decision is the watching thread's
+    print(case, "graceful" if watch.requested else "still running", flush=True)
+    watch.restore()
+"""
+
+
+def test_only_a_sigterm_its_launcher_marked_stops_a_worker_gracefully(tmp_path):
+    """A worker of fivefold's launchers stops gracefully when the launcher marked its SIGTERM (a preemption),
+    and ends at once (exit 143) when nothing marked it (torch's agent stopping it after a peer failed); a worker
+    of a plain torchrun (no marker) always stops gracefully."""
+    import subprocess
+    import sys
+
+    from fivefold.runtime import preemption
+
+    marker = tmp_path / "marker"
+    marker.write_text("launcher\n")
+    child = subprocess.run([sys.executable, "-c", CHILD, preemption.__file__], capture_output=True, text=True,
+                           timeout=60, env={**os.environ, preemption.TERM_MARKER_ENV: str(marker)})
+    assert child.stdout.splitlines() == ["marked graceful", "plain torchrun graceful"], child.stderr
+    assert child.returncode == 128 + signal.SIGTERM  # "not marked": ended at once, never printed

@@ -27,6 +27,7 @@ from fivefold.errors import SpecError, require
 from fivefold.interrupt import Interrupted, interrupted_line, quiet_sigint_in_worker
 from fivefold.local import free_port, threads_per_worker, tune_allocator
 from fivefold.runtime.config import RunConfig, check_gpu_dtype
+from fivefold.runtime.preemption import AGENT_SIGNALS, graceful_term_for_workers
 from fivefold.spec import Plan
 from fivefold.spec.plan import SPLIT_BACKWARD
 
@@ -249,12 +250,12 @@ def worker_entry(configs: list[RunConfig]) -> list[dict]:
             dist.destroy_process_group()
 
 
-def shutdown_timeout_settable() -> bool:
-    """Whether torch's launcher takes a shutdown timeout (the wait between the workers' SIGTERM and SIGKILL; a
-    fixed 30 s before torch took it as LaunchConfig.shutdown_timeout)."""
+def launch_config_has(field: str) -> bool:
+    """Whether torch's LaunchConfig takes `field`: shutdown_timeout (the wait between the workers' SIGTERM and
+    SIGKILL, a fixed 30 s before), signals_to_handle (which signals its agent catches)."""
     from torch.distributed.launcher.api import LaunchConfig
 
-    return "shutdown_timeout" in getattr(LaunchConfig, "__dataclass_fields__", {})
+    return field in getattr(LaunchConfig, "__dataclass_fields__", {})
 
 
 def slurm_job() -> dict:
@@ -288,7 +289,9 @@ def launch(configs: list[RunConfig], nproc: int, max_restarts: int = 0) -> list[
     for name in ["torch.distributed.elastic", "torch.distributed.launcher",
                  *(n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic"))]:
         logging.getLogger(name).setLevel(logging.INFO if debug else logging.CRITICAL)
-    grace = {"shutdown_timeout": configs[0].term_grace} if shutdown_timeout_settable() else {}
+    grace = {"shutdown_timeout": configs[0].term_grace} if launch_config_has("shutdown_timeout") else {}
+    if launch_config_has("signals_to_handle"):  # SIGTERM is graceful_term_for_workers' (runtime/preemption.py)
+        grace["signals_to_handle"] = AGENT_SIGNALS
     launch_config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
                                  rdzv_endpoint=f"localhost:{free_port()}", run_id=f"fivefold-{os.getpid()}",
                                  max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn", **grace)
@@ -303,7 +306,7 @@ def launch(configs: list[RunConfig], nproc: int, max_restarts: int = 0) -> list[
     os.close(handle)
     configs = [dataclasses.replace(config, progress_file=progress_file) for config in configs]
     try:
-        with AgentWatch(run_dir) if run_dir else contextlib.nullcontext():
+        with AgentWatch(run_dir) if run_dir else contextlib.nullcontext(), graceful_term_for_workers():
             results = elastic_launch(launch_config, worker_entry)(list(configs))
         outcome = "finished"
     except (SignalException, KeyboardInterrupt) as exc:
