@@ -365,3 +365,28 @@ def test_only_a_sigterm_its_launcher_marked_stops_a_worker_gracefully(tmp_path):
                            timeout=60, env={**os.environ, preemption.TERM_MARKER_ENV: str(marker)})
     assert child.stdout.splitlines() == ["marked graceful", "plain torchrun graceful"], child.stderr
     assert child.returncode == 128 + signal.SIGTERM  # "not marked": ended at once, never printed
+
+
+def test_every_new_flag_goes_into_the_dumped_job_file_and_back(tmp_path, launched, capsys, monkeypatch):
+    import tomllib
+
+    monkeypatch.chdir(tmp_path)
+    flags = ["--checkpoint-dir", "ck", "--resume", "auto", "--save-on-term-within", "30", "--term-grace", "60",
+             "--data-change", "allow", "--wandb", "proj", "--profile-steps", "2-3", "--metrics-file",
+             "run/metrics.jsonl", "--max-restarts", "1"]
+    assert main([*RUN, *flags, "--dump-config", "job.toml"]) == 0
+    job = tomllib.loads((tmp_path / "job.toml").read_text())
+    expected = {"resume": "auto", "save_on_term_within": 30.0, "term_grace": 60, "data_change": "allow",
+                "wandb": "proj", "profile_steps": "2-3", "overwrite": False, "max_restarts": 1}
+    assert {key: (job["run"] | job["data"]).get(key) for key in expected} == expected
+    first = launched[-1][0]
+    (tmp_path / "run" / "metrics.jsonl").unlink(missing_ok=True)
+    assert main([*RUN, "--config", "job.toml"]) == 0
+    assert launched[-1][0] == first  # the same run, flag for flag
+    slurm = ["--slurm", "--time", "1:00:00", "--partition", "p", "--account", "a", "--output", "o.log"]
+    assert main([*RUN, *flags, *slurm, "--dump-config", "slurm.toml"]) == 0
+    assert tomllib.loads((tmp_path / "slurm.toml").read_text())["slurm"] == {"time": "1:00:00", "partition": "p",
+                                                                             "account": "a", "output": "o.log"}
+    capsys.readouterr()
+    assert main([*RUN, "--config", "slurm.toml", "--slurm"]) == 0  # the script again, from the file
+    assert "#SBATCH --partition=p" in capsys.readouterr().out

@@ -34,6 +34,7 @@ def cmd_train(args: argparse.Namespace, print_json: Callable[[Any], None]) -> in
     plan = fit_vocab_to_tokenizer(plan, config.tokenizer, vocab_fixed_by(args),
                                   say=lambda line: print(line, file=sys.stderr if args.slurm else info, flush=True))
     if args.slurm:  # the job for the cluster's scheduler, instead of training here
+        keep_job_file(args, None, sys.stderr)  # --dump-config: the job file, its [slurm] section included
         return print_slurm_script(plan, config, args)
     # A re-plan for another world size keeps what the user fixed (with --plan: what the file says).
     fixed = None if args.plan else Choices(**{k: getattr(args, k) for k in REPLAN_KEEPS})
