@@ -122,14 +122,15 @@ def fit_vocab_to_tokenizer(plan: Plan, tokenizer: str | None, fixed_by: str | No
             plan = plan.replace(model=dataclasses.replace(plan.model, vocab=padded))
         return plan
     if size > vocab:
-        how = {"--model": f"give vocab={padded} (or more) in --model, or leave vocab out and the tokenizer sets it"}
-        fix = how.get(fixed_by.split(" ")[0], f"give a model with vocab={padded} or more")
-        if fixed_by.startswith("the plan file"):
-            fix = f"write vocab = {padded} in its [model] table, or leave out --plan and give the layout as flags"
-        elif fixed_by.startswith("the Hugging Face"):
-            fix = "use the folder's own tokenizer (leave out --tokenizer) or one of at most that many tokens"
-        elif fixed_by.startswith("--model "):
-            fix = f"write vocab = {padded} (or more) in that file, or leave vocab out and the tokenizer sets it"
+        fixes = (("the plan file", f"write vocab = {padded} in its [model] table, or leave out --plan and give the "
+                                   "layout as flags"),
+                 ("the Hugging Face", "use the folder's own tokenizer (leave out --tokenizer) or one of at most "
+                                      "that many tokens"),
+                 ("--model ", f"write vocab = {padded} (or more) in that file, or leave vocab out and the tokenizer "
+                              "sets it"),
+                 ("--model", f"give vocab={padded} (or more) in --model, or leave vocab out and the tokenizer sets "
+                             "it"))
+        fix = next(text for prefix, text in fixes if fixed_by.startswith(prefix))
         raise SpecError("--tokenizer", tokenizer, f"has {size} tokens but model.vocab={vocab}, fixed by {fixed_by}; "
                                                   f"{fix}")
     return plan
