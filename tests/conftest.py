@@ -32,3 +32,19 @@ def launched(monkeypatch) -> Launches:
 
     monkeypatch.setattr(fivefold.runtime, "launch", fake_launch)
     return calls
+
+
+DP2_REFERENCE = ["train", "--seq-len", "32", "--device", "cpu", "--cluster", "1x2xcpu", "--steps", "8"]
+
+
+@pytest.fixture(scope="session")
+def dp2_reference(tmp_path_factory):
+    """An uninterrupted 2-process run (dp2, tiny, seq 32, global batch 8) of 8 steps, saving every 2 steps: the
+    losses the fault-tolerance tests (killed worker, shrink and grow, a preempted Slurm job) must get again."""
+    from fivefold.cli import main
+
+    folder = tmp_path_factory.mktemp("reference")
+    code = main([*DP2_REFERENCE, "--metrics-file", str(folder / "metrics.jsonl"),
+                 "--checkpoint-dir", str(folder / "ck"), "--checkpoint-every", "2", "--keep", "4"])
+    assert code == 0
+    return folder

@@ -99,8 +99,12 @@ def test_parallel_tokenizing_gives_the_same_tokens(tmp_path):
 
 
 def test_blend_spec_parsing():
-    assert parse_data_spec("web/") == [(1.0, "web/")]
-    assert parse_data_spec("0.7:web/,0.3:code.jsonl") == [(0.7, "web/"), (0.3, "code.jsonl")]
+    assert parse_data_spec("web/") == [(1.0, "web/", None)]
+    assert parse_data_spec("0.7:web/,0.3:code.jsonl") == [(0.7, "web/", None), (0.3, "code.jsonl", None)]
+    assert parse_data_spec("0.7:a.jsonl@text,0.3:b.parquet@content") == [(0.7, "a.jsonl", "text"),
+                                                                         (0.3, "b.parquet", "content")]
+    assert parse_data_spec("b.parquet@content") == [(1.0, "b.parquet", "content")]
+    assert parse_data_spec("data@2024/x.jsonl") == [(1.0, "data@2024/x.jsonl", None)]  # '@' inside a path
     for spec, why in [("0.7:web/,code.jsonl", "the blend item 'code.jsonl' has no weight"),
                       ("0:web/,1:code.jsonl", "the weight '0' of web/ must be a positive finite number"),
                       ("1e999:web/,1:b", "the weight '1e999' of web/ must be a positive finite number")]:
@@ -234,5 +238,12 @@ def test_resume_with_other_data_is_one_line_before_launch(tmp_path, capsys, laun
     assert main([*argv, "--data", f"0.7:{a},0.3:{b}"]) == 2 and not launched
     assert capsys.readouterr().err.strip() == (f"error: --data='0.7:{a},0.3:{b}': the checkpoint's data had "
                                                "weights=[0.5, 0.5], this data has weights=[0.7, 0.3]; resume with "
-                                               "the same data (and blend weights)")
+                                               "the same data (and blend weights), or add --data-change allow")
     assert main([*argv, "--data", f"0.5:{a},0.5:{b}"]) == 0 and len(launched) == 1
+    assert main([*argv, "--data", f"0.7:{a},0.3:{b}", "--data-change", "allow"]) == 0 and len(launched) == 2
+    cache_a, cache_b = f"{a}.text.byte.bin", f"{b}.text.byte.bin"
+    assert (
+        f"--data-change allow: the data differs from the checkpoint's; the run continues at sample 8 (step 1, the "
+        f"same schedule), with this blend's weights from here on; continuing where they were: {cache_a}, {cache_b}; "
+        "starting at their beginning: none") in capsys.readouterr().err.splitlines()
+    assert launched[-1][0].data_change == "allow"

@@ -38,14 +38,10 @@ def losses_by_step(metrics: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(metrics)}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """An uninterrupted 2-process run (dp2) of 8 steps, saving every 2 steps."""
-    folder = tmp_path_factory.mktemp("reference")
-    code = main([*RUN, "--cluster", "1x2xcpu", "--steps", str(STEPS), "--metrics-file", str(folder / "metrics.jsonl"),
-                 "--checkpoint-dir", str(folder / "ck"), "--checkpoint-every", "2", "--keep", "4"])
-    assert code == 0
-    return folder
+@pytest.fixture
+def reference(dp2_reference) -> Path:
+    """An uninterrupted 2-process run (dp2) of 8 steps, saving every 2 steps (conftest.py)."""
+    return dp2_reference
 
 
 def test_killed_worker_is_restarted_and_the_losses_continue_exactly(reference, tmp_path):

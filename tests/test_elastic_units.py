@@ -137,7 +137,8 @@ def test_replan_keeps_sequence_parallel_off(monkeypatch):
     """`--tp 2 --no-sequence-parallel`, resumed on 2 processes: the new plan keeps sequence parallel off,
     whether the flag is given again or only the plan (file) says so."""
     import fivefold.elastic.replan as replan
-    from fivefold.cli import REPLAN_KEEPS, build_parser
+    from fivefold.cli import build_parser
+    from fivefold.flags import REPLAN_KEEPS
 
     plan = Plan(model=PRESETS["tiny"], cluster=parse_cluster("1x4xcpu"),
                 train=TrainSpec(seq_len=32, global_batch=16, dtype="fp32"), dp=2, tp=2, sequence_parallel=False)

@@ -55,7 +55,7 @@ def test_the_job_file_sets_the_run_and_flags_win(tmp_path, launched):
                                             "lr, warmup_steps, grad_clip, lr_schedule, min_lr, decay_steps, "
                                             "weight_decay, betas, eps"),
     ("[optimiser]\nlr = 1e-3\n", "section='optimiser': unknown section; a job file has model, cluster, layout, data, "
-                                 "optimizer, run"),
+                                 "optimizer, run, slurm"),
     ("[run]\nlr = 1e-3\n", "[run].lr=0.001: belongs in the [optimizer] section"),
     ("[run]\nsteps = \"ten\"\n", "[run].steps='ten': --steps takes an integer"),
     ("[run]\nsteps = true\n", "[run].steps=True: --steps takes an integer"),

@@ -133,3 +133,17 @@ def test_resume_with_other_optimizer_settings_names_the_field(tmp_path, capsys, 
     assert main([*RUN, "--steps", "12", "--checkpoint-dir", str(root), "--resume", "--lr-schedule", "wsd",
                  "--weight-decay", "0.05", "--betas", "0.9,0.99", "--json"]) == 0
     assert launched[0][0].resume_from.endswith("step-00000003")
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_the_decay_ends_at_min_lr_on_the_last_step_for_small_step_counts(schedule):
+    for steps in range(1, 8):
+        for warmup in range(0, steps):  # at least one step after the warmup
+            lrs = curve(schedule, steps=steps, warmup=warmup, min_lr=1e-5)
+            assert lrs[-1] == pytest.approx(1e-5), (steps, warmup, lrs)  # --steps 3: step 3 is no longer the peak
+            assert lrs[:warmup] == pytest.approx([PEAK * (s + 1) / warmup for s in range(warmup)])
+            if steps - warmup >= 2:  # the first step after the warmup is the peak, then it falls
+                assert lrs[warmup] == pytest.approx(PEAK)
+                assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1:]))
+    assert curve("cosine", steps=3, warmup=2) == pytest.approx([0.5e-3, 1e-3, 1e-4])  # the issue's --steps 3
+    assert curve("cosine", steps=2, warmup=2) == pytest.approx([0.5e-3, 1e-3])  # all warmup: no decay to end

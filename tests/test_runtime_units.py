@@ -38,7 +38,7 @@ def test_lr_warmup_then_cosine_to_a_tenth():
     assert lr_at(2, peak, 2, 11) == pytest.approx(1e-3)  # cosine starts at the peak
     assert lr_at(6, peak, 2, 11) == pytest.approx(0.55e-3)  # half way: (1 + 0.1) / 2
     assert lr_at(10, peak, 2, 11) == pytest.approx(0.1e-3)  # last step: 10% of peak
-    assert lr_at(0, peak, 0, 1) == pytest.approx(1e-3)  # no warmup, one step
+    assert lr_at(0, peak, 0, 1) == pytest.approx(0.1e-3)  # no warmup, one step: it is the last, at min_lr
 
 
 # --- data split and loss -----------------------------------------------------------------------

@@ -22,9 +22,11 @@ SMALL = ["--model", "tiny", "--seq-len", "32", "--global-batch", "4", "--device"
 
 
 def start(argv: list[str], cwd: Path) -> subprocess.Popen:
-    # A session of its own, as a terminal's foreground job: killpg reaches the launcher and its workers.
+    # A session of its own, as a terminal's foreground job: killpg reaches the launcher and its workers. Not
+    # under Slurm: SIGTERM saves again only there by default (--save-on-term-within).
+    env = {name: value for name, value in os.environ.items() if not name.startswith("SLURM_")}
     return subprocess.Popen([sys.executable, "-m", "fivefold", *argv], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
 
 
 def wait_for(condition, seconds: float = 240.0) -> None:
@@ -42,16 +44,21 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def interrupt(process: subprocess.Popen, ready, signum: int = signal.SIGINT, whole_group: bool = True) -> str:
+def interrupt(process: subprocess.Popen, ready, signum: int = signal.SIGINT, whole_group: bool = True,
+              out: list | None = None) -> str:
     """Wait until `ready()` (or the process ended), send `signum` (to the process group, as a terminal's Ctrl-C
-    does, or to the launcher alone), and return its stderr; the group is killed if it outlives the test."""
+    does, or to the launcher alone), and return its stderr (its stdout into `out`); the group is killed if it
+    outlives the test."""
     try:
         wait_for(lambda: ready() or process.poll() is not None)
         if whole_group:
             os.killpg(process.pid, signum)
         else:
             process.send_signal(signum)
-        return process.communicate(timeout=120)[1]
+        stdout, stderr = process.communicate(timeout=120)
+        if out is not None:
+            out.append(stdout)
+        return stderr
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
@@ -66,7 +73,15 @@ def lines(path: Path) -> int:
 def test_interrupted_training_stops_every_worker_and_names_the_newest_checkpoint(tmp_path, signum, code,
                                                                                   whole_group, nproc):
     metrics = tmp_path / "run" / "metrics.jsonl"
-    process = start(["train", "--nproc", str(nproc), "--dp", str(nproc), "--steps", "100000", *SMALL,
+    tokenizer = []
+    if signum == signal.SIGTERM:  # checkpoints carry the run's tokenizer
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        hf = Tokenizer(models.WordLevel({"<unk>": 0, **{f"w{i}": i for i in range(1, 300)}}, unk_token="<unk>"))
+        hf.pre_tokenizer = pre_tokenizers.Whitespace()
+        hf.save(str(tmp_path / "tokenizer.json"))
+        tokenizer = ["--tokenizer", "tokenizer.json"]
+    process = start(["train", "--nproc", str(nproc), "--dp", str(nproc), "--steps", "100000", *SMALL, *tokenizer,
                      "--checkpoint-dir", "ck", "--checkpoint-every", "1", "--metrics-file", "run/metrics.jsonl"],
                     tmp_path)
     workers: dict = {}
@@ -78,7 +93,8 @@ def test_interrupted_training_stops_every_worker_and_names_the_newest_checkpoint
         return True
 
     # whole_group: Ctrl-C in a terminal, every process of the foreground group gets SIGINT
-    err = interrupt(process, saved_once, signum, whole_group)
+    out: list[str] = []
+    err = interrupt(process, saved_once, signum, whole_group, out)
     assert len(workers) == nproc
     assert process.returncode == code, err
     assert "Traceback" not in err
@@ -87,6 +103,11 @@ def test_interrupted_training_stops_every_worker_and_names_the_newest_checkpoint
     assert match, last
     step, saved = int(match.group(1)), int(match.group(2))
     assert 1 <= saved < step and step >= 3
+    if signum == signal.SIGTERM:  # the workers ended their step and finished its save, which was in flight
+        assert saved == step - 1
+        assert f"SIGTERM: stopping after step {saved}; finished the save of step {saved} in flight" in out[0], out[0]
+        checkpoint = tmp_path / "ck" / f"step-{saved:08d}"
+        assert (checkpoint / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
     wait_for(lambda: not any(alive(pid) for pid in workers.values()), 30)
     for folder in (tmp_path / "ck").glob("step-*"):  # whole, or visibly incomplete (no COMMIT): never half
         assert not (folder / "COMMIT").exists() or checkpoint_problem(folder) is None

@@ -15,8 +15,8 @@ from fivefold.cliparse import OneLineParser, print_json_error, wants_json
 from fivefold.errors import FivefoldError, SpecError
 from fivefold.interrupt import Interrupted, sigterm_raises
 from fivefold.outputs import check_output_dir, check_output_file, make_dir, make_parents
-from fivefold.jobfile import add_job_flags, keep_job_file, parse_with_job_file
-from fivefold.flags import (REPLAN_KEEPS, add_diloco_flags, add_json_flag, add_layout_flags, add_run_flags,
+from fivefold.jobfile import add_job_flags, parse_with_job_file
+from fivefold.flags import (add_diloco_flags, add_json_flag, add_layout_flags, add_run_flags,
                             add_spec_flags, add_stack_flag, add_workload_flags, diloco_of_args, layout_from_args,
                             plan_from_args, specs_from_args, stack_of_args)
 
@@ -174,47 +174,9 @@ def cmd_dryrun(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from fivefold.checkpoint.resume import plan_for_hf
-    from fivefold.planner import Choices
-    from fivefold.runtime import RunConfig, launch, torchrun_command
-    from fivefold.runtime.launch import WorkerFailed, check_launch_flags, nodes_of, run_torchrun_worker
-    from fivefold.runtime.prepare import done_lines, prepare_run
-    from fivefold.runtime.slurm import print_slurm_script
+    from fivefold.training_cli import cmd_train as train_verb
 
-    # Everything that can be wrong with the plan, the flags or the data fails here, before any process starts.
-    config = RunConfig.from_flags(vars(args), progress_to_stderr=args.json)
-    plan = plan_from_args(args)
-    config.validate()
-    check_launch_flags(args.max_restarts)
-    if args.init_from_hf:  # the folder's config.json decides the model
-        plan = plan_for_hf(plan, args.init_from_hf, bool(args.plan), bool(args.layers_per_stage))
-    if args.slurm:  # the job for the cluster's scheduler, instead of training here
-        return print_slurm_script(plan, config)
-    info = sys.stderr if args.json else sys.stdout
-    # A re-plan for another world size keeps what the user fixed (with --plan: what the file says).
-    fixed = None if args.plan else Choices(**{k: getattr(args, k) for k in REPLAN_KEEPS})
-    run = prepare_run(plan, config, nproc=args.nproc, plan_file=args.plan, torchrun_worker=args.torchrun_worker,
-                      fixed=fixed, say=lambda line: print(line, file=info, flush=True),
-                      warn=lambda line: print(f"warning: {line}", file=sys.stderr))
-    keep_job_file(args, run.config.run_dir if run.torchrun_rank is None else None, info)  # fivefold/jobfile.py
-    if run.torchrun_rank is not None:
-        summary = run_torchrun_worker(run.config)
-        if summary and args.json:
-            print_json(summary)
-        return 0
-    command = torchrun_command(run.plan_file or "PLAN.toml", run.worker_flags, *nodes_of(run.plan))
-    print(f"on several machines, run on each: {command}", file=info, flush=True)
-    try:
-        summary = launch([run.config], run.nproc, max_restarts=args.max_restarts)[0]
-    except WorkerFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if args.json:
-        print_json(summary)
-        return 0
-    for line in done_lines(summary, run.config):
-        print(line)
-    return 0
+    return train_verb(args, print_json)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -245,15 +207,24 @@ def cmd_report(args: argparse.Namespace) -> int:
         from fivefold.serving_cli import cmd_report_serve
 
         return cmd_report_serve(args, console, print_json)
+    from fivefold.report.curves import report_training
+    from fivefold.report.training import compare_lines, training_lines
+
     report = report_run(args.run, args.stack)
+    training, compared = report_training(args.run, args.compare)
     if args.json:
-        print_json(report.to_dict())
+        print_json({**report.to_dict(), "training": training.to_dict(),
+                    "compared": [summary.to_dict() for summary in compared]})
         return 0
     from fivefold.report.render import report_renderables
 
     out = console()
     for renderable in report_renderables(report):
         out.print(renderable, soft_wrap=isinstance(renderable, str))
+    for line in training_lines(training):
+        out.print(line, soft_wrap=True)
+    if compared:
+        out.print(compare_lines([training, *compared]))
     return 0
 
 
@@ -359,8 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="profile.toml", help="profile file (accepted by --cluster)")
     add_json_flag(p)
 
-    p = verb("report", "compare what a run's plan predicted with what the run measured", cmd_report)
+    p = verb("report", "compare what a run's plan predicted with what the run measured; a training run's curves, "
+             "launches and restarts", cmd_report)
     p.add_argument("run", help="run folder (with plan.toml and metrics.jsonl) or a metrics file")
+    p.add_argument("--compare", nargs="+", default=None, metavar="RUN2",
+                   help="training runs to overlay on RUN's curves (RUN/report-compare.png) and compare in a table")
     p.add_argument("--stack", default=None, help="software the cost model assumes (default: fivefold, the "
                    "runtime's own, when the cost model has it, else modern)")
     add_json_flag(p)
@@ -388,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
                 print_json_error(exc, EXIT_BAD_INPUT)
             return EXIT_BAD_INPUT
         except Interrupted as exc:  # SIGTERM, or a signal that stopped the workers of `train`
-            print(exc.line, file=sys.stderr)
+            if exc.line:  # a torchrun worker other than rank 0 leaves the line to rank 0
+                print(exc.line, file=sys.stderr)
             return exc.exit_code
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)

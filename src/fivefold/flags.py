@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
+from fivefold.spec.job import resume_mode, seconds_or_off
 from fivefold.spec.serve import GPU_MEMORY_UTILIZATION
 
 if TYPE_CHECKING:
@@ -157,6 +158,26 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     return layout_plan(*specs_from_args(args), **layout_from_args(args))
 
 
+def vocab_fixed_by(args: argparse.Namespace) -> str | None:
+    """What gave the model's vocab, when something did: a plan file, a Hugging Face folder, or --model with a
+    vocab of its own (inline or in its TOML file). None: the preset's, which --tokenizer may replace."""
+    from fivefold.spec.model import PRESETS
+    from fivefold.spec.units import read_toml_file
+
+    if getattr(args, "plan", None):
+        return f"the plan file {args.plan}"
+    if getattr(args, "init_from_hf", None):
+        return f"the Hugging Face model {args.init_from_hf}"
+    text = str(args.model).strip()
+    if text in PRESETS:
+        return None
+    if text.endswith(".toml"):
+        data = read_toml_file(text, "--model")
+        return f"--model {text}" if "vocab" in data.get("model", data) else None
+    keys = {item.partition("=")[0].strip() for item in text.split(",")}
+    return "--model" if "vocab" in keys else None
+
+
 def add_run_flags(p: argparse.ArgumentParser) -> None:
     """The `train` flags of the run (each one a field of RunConfig in runtime/config.py, with the same default)
     and of its launch on this machine (--nproc, --max-restarts)."""
@@ -168,14 +189,20 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    ".parquet file or folder, a `datasets` save_to_disk folder, or a blend 0.7:web/,0.3:code.jsonl "
                    "(docs/data.md); default: built-in corpus")
     p.add_argument("--text-field", default="text", help="the column holding the text in JSONL, Parquet and "
-                   "`datasets` rows (default: text)")
+                   "`datasets` rows (default: text); a source of --data may name its own: a.jsonl@content")
+    p.add_argument("--data-change", choices=["refuse", "allow"], default="refuse",
+                   help="a resumed run whose --data (sources, weights) differs from the checkpoint's: refuse "
+                        "(default), or allow: the step and schedule continue, unchanged sources continue where they "
+                        "were, new or changed ones start at their beginning (docs/data.md)")
     p.add_argument("--eval-data", default=None, help="validation data (any --data form): eval_loss and "
                    "eval_perplexity in the metrics (default: none)")
     p.add_argument("--eval-every", type=int, default=0,
                    help="evaluate every N steps and after the last (default: 0, only after the last)")
     p.add_argument("--eval-batches", type=int, default=4,
                    help="global batches per evaluation, the same ones every time (default: 4)")
-    p.add_argument("--tokenizer", default=None, help="HF tokenizer.json; default: byte-level")
+    p.add_argument("--tokenizer", default=None, help="HF tokenizer.json (or a folder holding one); sets the model's "
+                   "vocab to its size rounded up to a multiple of 128 unless the model gives vocab; default: "
+                   "byte-level, or the --init-from-hf folder's tokenizer")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: auto")
     p.add_argument("--nproc", type=int, default=None, help="worker processes (default: the plan's world size)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (default: 1.0)")
@@ -184,13 +211,30 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="write per-step scalars (loss, grad norm, lr, tokens/s, MFU, memory, per-rank step times) "
                         "as TensorBoard event files into DIR")
+    p.add_argument("--wandb", default=None, metavar="PROJECT", help="log the same per-step scalars to Weights & "
+                   "Biases project PROJECT (ENTITY/PROJECT also works; offline files in the run folder when there is "
+                   "no network or WANDB_MODE=offline; needs the `tracking` extra)")
+    p.add_argument("--profile-steps", default=None, metavar="A-B", help="torch.profiler over steps A to B on every "
+                   "rank: RUN/profile/rank<R>-steps<A>-<B>.trace.json (Perfetto, chrome://tracing), on CUDA a memory "
+                   "snapshot; needs --metrics-file")
     p.add_argument("--checkpoint-dir", default=None,
                    help="folder of step-XXXXXXXX checkpoints (saved in the background; always after the last step)")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="also save every K steps (default: 0, only at the end)")
     p.add_argument("--keep", type=int, default=3, help="complete checkpoints kept (default: 3)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest complete checkpoint in --checkpoint-dir, under any plan")
+    p.add_argument("--resume", nargs="?", const=True, default=False, type=resume_mode, metavar="auto",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir, under any plan; "
+                        "--resume auto: the same, or a fresh start when there is none (one command for the first "
+                        "run and every requeue)")
+    p.add_argument("--overwrite", action="store_true", help="replace the metrics file (and the run folder's events, "
+                   "trace and profiles) of another run instead of refusing it")
+    p.add_argument("--save-on-term-within", type=seconds_or_off, default=None, metavar="SECONDS|off",
+                   help="on SIGTERM, after the save in flight: save once more when the newest checkpoint is more "
+                        "than SECONDS of steps behind (default: 0 under Slurm, off elsewhere)")
+    p.add_argument("--term-grace", type=int, default=120, metavar="SECONDS",
+                   help="seconds a run has after SIGTERM to end its step and save before it is killed: the launcher "
+                        "waits this long for its workers, and --slurm asks for SIGTERM this long before the time "
+                        "limit (default: 120)")
     p.add_argument("--init-from-hf", default=None,
                    help="initial weights from a local Hugging Face Llama, Mixtral or Qwen3-MoE folder (its config.json "
                    "sets the model)")
@@ -226,6 +270,17 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-recipe", default=None, metavar="RECIPE", help="with --dtype fp8: tensorwise (default) or "
                    "rowwise scaling of the FP8 GEMMs (torchao's recipes; runtime/float8.py)")
     add_diloco_flags(p)
+
+
+def add_slurm_flags(p: argparse.ArgumentParser) -> None:
+    """What `--slurm` passes to sbatch as it is (the job file's [slurm] section)."""
+    group = p.add_argument_group("with --slurm: passed to sbatch")
+    group.add_argument("--time", default=None, help="the job's time limit, Slurm's forms: MINUTES, HH:MM:SS, "
+                       "DAYS-HH[:MM[:SS]]")
+    group.add_argument("--partition", default=None, help="the Slurm partition")
+    group.add_argument("--account", default=None, help="the Slurm account charged")
+    group.add_argument("--output", default=None, help="the job's log file (Slurm patterns such as %%j work; default: "
+                       "Slurm's slurm-%%j.out)")
 
 
 def diloco_of_args(args: argparse.Namespace, plan: Plan) -> DiLoCoSpec | None:

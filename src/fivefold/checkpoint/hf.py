@@ -287,20 +287,25 @@ def _require_empty(path: Path, flag: str) -> None:
 
 
 def convert_from_hf(folder: str | Path, out: str | Path) -> Path:
-    """A local HF Llama folder -> a fivefold checkpoint directory `out` (model only, step 0, fp32)."""
+    """A local HF Llama folder -> a fivefold checkpoint directory `out` (model only, step 0, fp32), with the
+    folder's tokenizer files."""
     import torch
 
     from fivefold.checkpoint.layout import save_model_checkpoint
 
+    from fivefold.checkpoint.tokenizer_files import copy_tokenizer_files
+
     out = Path(out)
     _require_empty(out, "--out")
     spec, state = load_hf_state_dict(folder, dtype=torch.float32)
-    return save_model_checkpoint(state, spec, out)
+    return save_model_checkpoint(state, spec, out, before_commit=lambda path: copy_tokenizer_files(folder, path))
 
 
 def convert_to_hf(checkpoint: str | Path, out: str | Path) -> Path:
-    """A fivefold checkpoint (folder or root of step folders) -> an HF Llama/Mixtral/Qwen3-MoE folder `out`."""
+    """A fivefold checkpoint (folder or root of step folders) -> an HF Llama/Mixtral/Qwen3-MoE folder `out`, with
+    the checkpoint's tokenizer files when it carries them."""
     from fivefold.checkpoint.layout import load_model_state_dict, read_checkpoint_info, resolve_checkpoint
+    from fivefold.checkpoint.tokenizer_files import export_tokenizer
     from fivefold.models import build_model
 
     out = Path(out)
@@ -311,4 +316,6 @@ def convert_to_hf(checkpoint: str | Path, out: str | Path) -> Path:
     model = build_model(spec)
     model.to_empty(device="cpu")
     load_model_state_dict(path, model)
-    return save_hf(spec, model.state_dict(), out)
+    save_hf(spec, model.state_dict(), out)
+    export_tokenizer(path, out, spec.max_seq_len)  # the checkpoint's tokenizer, when it carries one
+    return out

@@ -22,7 +22,7 @@ import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from fivefold.errors import SpecError
 from fivefold.spec import ModelSpec
@@ -227,9 +227,10 @@ def _single_process_is_intended():
 
 
 def save_checkpoint(state: dict, spec: ModelSpec, path: str | Path, step: int = 0, plan: Plan | None = None,
-                    extra: dict | None = None) -> Path:
+                    extra: dict | None = None, before_commit: Callable[[Path], object] | None = None) -> Path:
     """DCP-save `state` ({"model": ..., ...}) into `path` and commit it. Call on every rank of the
-    process group when one exists (DCP gathers on rank 0, which then writes the metadata and COMMIT)."""
+    process group when one exists (DCP gathers on rank 0, which then writes the metadata and COMMIT).
+    `before_commit(path)` adds files of its own first (they enter the manifest)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -248,6 +249,8 @@ def save_checkpoint(state: dict, spec: ModelSpec, path: str | Path, step: int = 
     with _single_process_is_intended():
         dcp.save(state, checkpoint_id=str(path), no_dist=not distributed)
     if leader:
+        if before_commit is not None:
+            before_commit(path)
         finalize_checkpoint(path, spec, step, plan, extra)
     if distributed:
         dist.barrier()  # nobody moves on (or prunes) before COMMIT exists
@@ -255,9 +258,9 @@ def save_checkpoint(state: dict, spec: ModelSpec, path: str | Path, step: int = 
 
 
 def save_model_checkpoint(model_state_dict: dict, spec: ModelSpec, path: str | Path, step: int = 0,
-                          plan: Plan | None = None) -> Path:
+                          plan: Plan | None = None, before_commit: Callable[[Path], object] | None = None) -> Path:
     """A model-only checkpoint (what `fivefold convert` writes)."""
-    return save_checkpoint({"model": model_state_dict}, spec, path, step, plan)
+    return save_checkpoint({"model": model_state_dict}, spec, path, step, plan, before_commit=before_commit)
 
 
 def check_model_matches(path: Path, model_state_dict: dict[str, torch.Tensor]) -> None:

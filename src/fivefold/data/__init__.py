@@ -5,7 +5,8 @@ from fivefold.data.dataset import (TokenDataset, default_dataset, end_of_documen
                                    tokenize_documents, write_token_file, write_tokens)
 from fivefold.data.blend import Blend
 from fivefold.data.loader import GlobalBatchLoader
-from fivefold.data.sources import open_data, open_source, parse_data_spec, write_data_caches
+from fivefold.data.sources import open_data, open_source, write_data_caches
+from fivefold.spec.datasource import parse_data_spec
 from fivefold.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = ["Blend", "open_data", "open_source", "parse_data_spec", "write_data_caches", "ByteTokenizer", "GlobalBatchLoader", "HFTokenizer", "TokenDataset", "builtin_corpus",

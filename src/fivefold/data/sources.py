@@ -7,6 +7,7 @@
     --data docs/                             a folder of .jsonl/.json/.parquet/.txt files (one kind)
     --data saved/                            a Hugging Face `datasets` folder written by save_to_disk
     --data 0.7:web/,0.3:code.jsonl           a blend: samples drawn from each source by weight (data/blend.py)
+    --data 0.7:a.jsonl@text,0.3:b.parquet@content   each source's own text field (spec/datasource.py)
 
 Text is tokenized once and cached beside the source (data/dataset.py cached_tokens); rows go through the
 `datasets` library (data/documents.py), from local files only.
@@ -15,8 +16,6 @@ Text is tokenized once and cached beside the source (data/dataset.py cached_toke
 from __future__ import annotations
 
 import json
-import math
-import re
 from pathlib import Path
 
 from fivefold.data.blend import Blend
@@ -24,35 +23,13 @@ from fivefold.data.dataset import TokenDataset, cached_tokens, open_dataset, wri
 from fivefold.data.shards import SHARD_SUFFIXES, read_shard_folder
 from fivefold.data.tokenizer import Tokenizer
 from fivefold.errors import SpecError
+from fivefold.spec.datasource import parse_data_spec
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 ROW_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # file suffix -> datasets builder
 DATASETS_FOLDER_FILES = ("state.json", "dataset_dict.json")  # what save_to_disk writes (Dataset, DatasetDict)
 KINDS = ".bin/.npy tokens, .txt text, .jsonl/.json/.parquet rows, a folder of one of these, or a `datasets` " \
         "save_to_disk folder"
-WEIGHTED = re.compile(r"^\s*([0-9.eE+-]+)\s*:(.+)$")
-
-
-def parse_data_spec(spec: str) -> list[tuple[float, str]]:
-    """'0.7:web/,0.3:code.jsonl' -> [(0.7, 'web/'), (0.3, 'code.jsonl')]; one path -> [(1.0, path)]."""
-    items = [item for item in spec.split(",")]
-    if len(items) == 1 and not WEIGHTED.match(items[0]):
-        return [(1.0, spec)]
-    sources = []
-    for item in items:
-        match = WEIGHTED.match(item)
-        if not match:
-            raise SpecError("--data", spec, f"the blend item {item!r} has no weight; write WEIGHT:PATH for every "
-                                            "source, e.g. 0.7:web/,0.3:code.jsonl")
-        try:
-            weight = float(match.group(1))
-        except ValueError:
-            weight = math.nan
-        if not (math.isfinite(weight) and weight > 0):
-            raise SpecError("--data", spec, f"the weight {match.group(1)!r} of {match.group(2)} must be a positive "
-                                            "finite number")
-        sources.append((weight, match.group(2).strip()))
-    return sources
 
 
 def folder_kind(folder: Path) -> str:
@@ -122,14 +99,35 @@ def tokenize_folder(source: Path, kind: str, tokenizer: Tokenizer, text_field: s
 
 def open_data(spec: str | None, tokenizer: Tokenizer, text_field: str = "text", min_tokens: int = 0,
               write_cache: bool = True) -> TokenDataset | Blend:
-    """The `--data` flag: None -> the built-in corpus; one source; or a Blend of weighted sources."""
+    """The `--data` flag: None -> the built-in corpus; one source; or a Blend of weighted sources. A source's own
+    text field (`a.jsonl@content`) wins over `text_field` (--text-field)."""
     if spec is None:
         return open_dataset(None, tokenizer)
     sources = parse_data_spec(spec)
-    opened = [open_source(path, tokenizer, text_field, min_tokens, write_cache) for _, path in sources]
+    opened = [open_field_source(path, field, tokenizer, text_field, min_tokens, write_cache)
+              for _, path, field in sources]
     if len(opened) == 1:
         return opened[0]
-    return Blend(opened, [weight for weight, _ in sources])
+    return Blend(opened, [source.weight for source in sources])
+
+
+def open_field_source(path: str, field: str | None, tokenizer: Tokenizer, text_field: str, min_tokens: int,
+                      write_cache: bool) -> TokenDataset:
+    """open_source with the source's own text field, when it names one: only rows have fields."""
+    if field is None:
+        return open_source(path, tokenizer, text_field, min_tokens, write_cache)
+    source = Path(path)
+    rows = source.suffix in ROW_SUFFIXES or (source.is_dir() and folder_kind(source) in ("json", "parquet",
+                                                                                         "datasets"))
+    if source.exists() and not rows:
+        raise SpecError("--data", f"{path}@{field}", "only JSONL, Parquet and `datasets` rows have text fields; "
+                                                    f"leave out @{field} for this source")
+    try:
+        return open_source(path, tokenizer, field, min_tokens, write_cache)
+    except SpecError as exc:
+        if exc.field != "--text-field":
+            raise
+        raise SpecError("--data", f"{path}@{field}", exc.fix) from None
 
 
 def write_data_caches(data: TokenDataset | Blend) -> None:

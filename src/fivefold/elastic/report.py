@@ -77,9 +77,33 @@ def _rollback(event: dict, records: list[dict]) -> dict:
             "seconds": {"reload": event["reload_s"], "recomputed_steps": sum(r["step_time_s"] for r in redone.values())}}
 
 
+def split_launches(events: list[dict]) -> list[list[dict]]:
+    """The events of each launch of a run, oldest first: each begins with a `launch` event (a resume or a requeue
+    appends a launch to the run's events.jsonl); events before the first one form a launch of their own."""
+    launches: list[list[dict]] = []
+    for event in events:
+        if event["kind"] == "launch" or not launches:
+            launches.append([])
+        launches[-1].append(event)
+    return launches
+
+
+def launch_records(records: list[dict], launch: list[dict], following: list[dict] | None) -> list[dict]:
+    """The metrics records written during `launch` (before the `following` launch began)."""
+    start = launch[0]["time"] if launch and launch[0]["kind"] == "launch" else -math.inf
+    end = following[0]["time"] if following else math.inf
+    return [r for r in records if start <= r["wall_time"] < end]
+
+
 def build_report(run_dir: str | Path, metrics_file: str | Path | None) -> dict:
-    events = read_events(run_dir)
-    records = [r for r in read_metrics(metrics_file) if "wall_time" in r]
+    """The recovery report of the run's last launch."""
+    launches = split_launches(read_events(run_dir)) or [[]]
+    records = launch_records([r for r in read_metrics(metrics_file) if "wall_time" in r], launches[-1], None)
+    return launch_report(launches[-1], records)
+
+
+def launch_report(events: list[dict], records: list[dict]) -> dict:
+    """Failures, rollbacks, skipped updates, stragglers and time lost of one launch's events and records."""
     launched = next((e for e in events if e["kind"] == "launch"), None)
     ended = next((e for e in reversed(events) if e["kind"] == "end"), None)
     detections = [e for e in events if e["kind"] == "detected" and e["restart"] == LAUNCHER]
@@ -96,10 +120,15 @@ def build_report(run_dir: str | Path, metrics_file: str | Path | None) -> dict:
                   for e in events if e["kind"] == "straggler"]
     lost = {part: sum((f["seconds"].get(part) or 0.0) for f in failures + rollbacks)
             for part in ("detection", "restart", "reload", "recomputed_steps")}
+    term = next((e for e in events if e["kind"] == "term"), None)  # SIGTERM (runtime/preemption.py)
+    terminated = {k: term.get(k) for k in ("step", "saved", "finished_save", "newest_step", "unsaved_seconds")} \
+        if term else None
     return {"failures": failures, "rollbacks": rollbacks, "skipped_steps": bad_steps, "stragglers": stragglers,
             "seconds_lost": lost, "productive_step_seconds": productive, "wall_seconds": wall,
             "effective_training_time_ratio": productive / wall if wall else None,
-            "outcome": ended.get("outcome") if ended else None}
+            "outcome": ended.get("outcome") if ended else None, "terminated": terminated,
+            "slurm_job_id": launched.get("slurm_job_id") if launched else None,
+            "slurm_restart_count": launched.get("slurm_restart_count") if launched else None}
 
 
 def write_report(run_dir: str | Path, metrics_file: str | Path | None) -> dict:
@@ -134,6 +163,11 @@ def render_report(report: dict) -> list[str]:
                      f"{_seconds(s['recomputed_steps'])}")
     for bad in report["skipped_steps"]:
         lines.append(f"  skipped update: step {bad['step']} (batch at sample {bad['position']}): {bad['reason']}")
+    if report.get("terminated"):
+        term = report["terminated"]
+        lines.append(f"  SIGTERM: stopped after step {term['step']}; "
+                     + (f"saved step {term['step']}" if term["saved"] else
+                        f"newest checkpoint step {term['newest_step']}"))
     for straggler in report["stragglers"]:
         lines.append(f"  straggler: rank {straggler['rank']} on host {straggler['host']}, {straggler['ratio']:.1f}x "
                      f"the median for {straggler['steps']} steps from step {straggler['since_step']}")

@@ -30,6 +30,12 @@ REQUIRED_FIELDS = ("step", "step_time_s", "tokens_per_s", "mfu", "peak_memory_gi
 LOGGED_NUMBERS = ("loss", "grad_norm", "lr", "tokens", "wall_time", "aux_loss", "expert_rank_imbalance",
                   "expert_rank_imbalance_median", "expert_load_max_over_mean", "eval_loss", "eval_perplexity")
 SPAN_FIELDS = ("rank", "step", "kind", "stage", "micro_batch", "start", "end")
+PROFILE_DIR = "profile"  # --profile-steps: RUN/profile/rank<R>.trace.json (runtime/profiling.py)
+WANDB_ID_FILE = "wandb-run-id"  # --wandb: the run's W&B id, kept across resumes (runtime/tracking.py)
+# What a run leaves in its folder besides the metrics file, removed by `train --overwrite` (the plan and job
+# files are rewritten by every launch; TensorBoard and W&B files live where they were asked to).
+RUN_OUTPUTS = (TRACE_FILE, "events.jsonl", "recovery.json", "pids", PROFILE_DIR, WANDB_ID_FILE,
+               "report-timeline.png", "report-curves.png", "report-compare.png")
 
 
 @dataclass
@@ -68,6 +74,13 @@ def read_jsonl(path: Path, what: str) -> list[dict]:
             raise SpecError(f"{path}:{number}", line[:40], f"is not a JSON object; a {what} holds one per line")
         rows.append(row)
     return rows
+
+
+def recorded_steps(path: Path) -> list[int]:
+    """The step numbers a metrics file holds, in file order ([] for a missing or empty file)."""
+    if not path.is_file():
+        return []
+    return [row["step"] for row in read_jsonl(path, "metrics file") if isinstance(row.get("step"), int)]
 
 
 def check_record(record: dict, where: str) -> None:

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from fivefold.checkpoint.tokenizer_files import copy_tokenizer_files
 from fivefold.checkpoint.layout import (COMMIT_FILE, finalize_checkpoint, prune_checkpoints, read_checkpoint_info,
                                         step_dir)
 from fivefold.checkpoint.resume import LAYOUT_FIELDS, TRAIN_STATE, architecture_difference, describe_resume
@@ -166,6 +167,8 @@ class Checkpointer:
                                                        use_async_staging=False, use_non_blocking_copy=False))
         self.finisher = ThreadPoolExecutor(max_workers=1) if self.saving and self.rank == 0 else None
         self.pending: Future | None = None  # the save in flight (rank 0: its commit)
+        self.pending_step: int | None = None  # ... and its step
+        self.newest_step = 0  # the step of the newest checkpoint: saved, in flight, or resumed from
         # Seconds per save: training blocked (all of it), of which waiting for the previous save, and
         # (rank 0) from the save call until COMMIT was written.
         self.seconds: dict[str, list[float]] = {"blocked": [], "waiting": [], "until_commit": []}
@@ -239,21 +242,25 @@ class Checkpointer:
             self.outer.load_state_dict(state["diloco"])
         elif self.outer is not None:  # a checkpoint of synchronous training: the outer loop starts from it
             self.outer.reset_to_local()
-        self.loader.load_state_dict(train_state["loader"])
+        self.loader.load_state_dict(train_state["loader"], allow_change=self.config.data_change == "allow")
         if restore_rng:
             set_rng_state(state["rng"][rng_key])
         if log:
             log(describe_resume(path, info, self.plan, self.schedule()))
-        return int(train_state["step"])
+        self.newest_step = int(train_state["step"])
+        return self.newest_step
 
     # --- saving -------------------------------------------------------------------------------
-    def step_done(self, step: int) -> None:
-        """Called after optimizer step `step` (1-based): saves every checkpoint_every steps and at the end."""
+    def step_done(self, step: int) -> bool:
+        """Called after optimizer step `step` (1-based): saves every checkpoint_every steps and at the end.
+        Whether it saved."""
         if not self.saving:
-            return
+            return False
         every = self.config.checkpoint_every
         if (every and step % every == 0) or step == self.config.steps:
             self.save(step)
+            return True
+        return False
 
     def save(self, step: int) -> None:
         start = time.perf_counter()
@@ -268,6 +275,7 @@ class Checkpointer:
                 shutil.rmtree(path)  # a save of this step that died: its stale files must not enter the manifest
             path.mkdir(parents=True)
         dist.barrier(group=self.group)
+        self.newest_step = step
         state = self.state_dict()
         train_state = self.train_state(step)
         if self.stager is None:
@@ -279,6 +287,7 @@ class Checkpointer:
                                     async_stager=self.stager)
             self.pending = self.finisher.submit(self.commit_after, upload, path, step, train_state, start) \
                 if self.rank == 0 else upload
+            self.pending_step = step
         self.seconds["blocked"].append(time.perf_counter() - start)
 
     def commit_after(self, upload: Future, path: Path, step: int, train_state: dict, start: float) -> None:
@@ -287,7 +296,9 @@ class Checkpointer:
         self.commit(path, step, train_state, start)
 
     def commit(self, path: Path, step: int, train_state: dict, start: float) -> None:
-        """Rank 0, once every rank's files are written: fivefold.json, manifest, COMMIT; then prune."""
+        """Rank 0, once every rank's files are written: the tokenizer's files, fivefold.json, manifest, COMMIT;
+        then prune."""
+        copy_tokenizer_files(self.config.tokenizer, path)
         finalize_checkpoint(path, self.plan.model, step, self.plan, extra={TRAIN_STATE: train_state})
         self.seconds["until_commit"].append(time.perf_counter() - start)
         # Every earlier save of this run is committed, so a folder without COMMIT is a dead run's leftover.
@@ -296,11 +307,14 @@ class Checkpointer:
                 shutil.rmtree(folder, ignore_errors=True)
         prune_checkpoints(self.root, self.config.keep)
 
-    def wait(self) -> None:
-        """Wait for the save in flight (raises its error, if it failed)."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.result()
+    def wait(self) -> int | None:
+        """Wait for the save in flight (raises its error, if it failed); its step, None when none was."""
+        if self.pending is None:
+            return None
+        pending, self.pending = self.pending, None
+        step, self.pending_step = self.pending_step, None
+        pending.result()
+        return step
 
     def close(self) -> None:
         """Finish the last save; every rank leaves only when the checkpoint is committed."""

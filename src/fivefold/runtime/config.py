@@ -18,6 +18,8 @@ from typing import Any, Mapping
 from fivefold.errors import SpecError, require
 from fivefold.runtime.schedule import check_optimizer_flags, lr_at, optimizer_record
 from fivefold.spec import Plan, plan_from_dict
+from fivefold.spec.datasource import data_paths
+from fivefold.spec.job import check_wandb_project, parse_profile_steps, seconds_or_off
 from fivefold.spec.diloco import DILOCO_FLAGS, DiLoCoSpec, check_diloco_flags, spec_from_flags
 
 # What --expert-gemm and --fp8-recipe take (models/moe.py GroupedExperts and runtime/float8.py run them; kept here
@@ -28,6 +30,7 @@ RUNTIME_FP8_RECIPES = ("tensorwise", "rowwise")
 MAX_LR = 10.0  # a peak learning rate above this diverges on the first step
 MAX_TIMEOUT_S = 7 * 24 * 3600  # torch keeps collective timeouts in milliseconds; a week is already no timeout
 MAX_FACTOR = 1e6  # gradient norms and slowdown factors
+MAX_TERM_GRACE_S = 65535  # sbatch --signal=B:TERM@SECONDS takes at most this
 
 
 @dataclass
@@ -43,12 +46,15 @@ class RunConfig:
     data: str | None = None  # token file (.bin/.npy) or text file; None = the built-in corpus
     tokenizer: str | None = None  # HF tokenizer.json for text data; None = bytes
     text_field: str = "text"  # the column of JSONL / Parquet / `datasets` rows that holds the text
+    data_change: str = "refuse"  # allow: a resumed run may change --data (runtime/prepare.py, data/loader.py)
     eval_data: str | None = None  # validation data, any --data form; None = no evaluation
     eval_every: int = 0  # evaluate every N steps (and after the last); 0 = only after the last step
     eval_batches: int = 4  # global batches per evaluation (the same ones every time, under every plan)
     device: str = "auto"  # cpu | cuda | auto
     metrics_file: str | None = None  # JSON lines, written by rank 0
     tensorboard: str | None = None  # folder of TensorBoard event files (per-step scalars), written by rank 0
+    wandb: str | None = None  # Weights & Biases project (runtime/tracking.py), written by rank 0
+    profile_steps: str | None = None  # "A-B": torch.profiler traces of steps A..B per rank (runtime/profiling.py)
     show_progress: bool = True  # rank 0 draws progress (bar on a terminal, lines otherwise)
     progress_to_stderr: bool = False  # keep stdout for a JSON summary
     trace: bool = False  # time every action of a few steps on every rank (runtime/trace.py)
@@ -56,7 +62,11 @@ class RunConfig:
     checkpoint_every: int = 0  # save every K steps (and always after the last step); 0 = only at the end
     keep: int = 3  # complete checkpoints kept (older ones are deleted)
     checkpoint_async: bool = True  # write in the background; False = training waits for the write
-    resume: bool = False  # --resume: continue from the newest complete checkpoint in checkpoint_dir
+    resume: bool | str = False  # --resume (True: the newest checkpoint, which must exist) or "auto" (or start fresh)
+    overwrite: bool = False  # replace another run's metrics file (and the run folder's events, trace, profiles)
+    save_on_term_within: float | str | None = None  # SIGTERM: save when the newest checkpoint is this many seconds
+    #                                                 of steps behind; "off"; None = 0 under Slurm, off elsewhere
+    term_grace: int = 120  # seconds after SIGTERM before the workers are killed (launcher, sbatch --signal)
     resume_from: str | None = None  # the checkpoint folder to continue from (the launcher picks the newest)
     init_from_hf: str | None = None  # a Hugging Face Llama folder giving the initial weights
     run_dir: str | None = None  # RUN/events.jsonl and RUN/pids/ (elastic/events.py); None = not recorded
@@ -137,10 +147,39 @@ class RunConfig:
         require(self.expert_gemm in EXPERT_GEMMS, "--expert-gemm", self.expert_gemm, f"use one of {', '.join(EXPERT_GEMMS)}")
         self.validate_eval()
         self.validate_numbers()
+        self.validate_job()
         check_optimizer_flags(self.lr, self.steps, self.warmup_steps, self.lr_schedule, self.min_lr,
                               self.decay_steps, self.weight_decay, self.betas, self.eps)
         self.validate_diloco()
         self.validate_paths()
+
+    def validate_job(self) -> None:
+        """The flags of a run as a cluster job: SIGTERM, resume, overwrite, data changes, tracking, profiling."""
+        if self.save_on_term_within is not None:
+            seconds_or_off(str(self.save_on_term_within))
+        require(isinstance(self.term_grace, int) and 1 <= self.term_grace <= MAX_TERM_GRACE_S, "--term-grace",
+                self.term_grace, f"must be whole seconds from 1 to {MAX_TERM_GRACE_S} (Slurm's --signal limit)")
+        require(self.resume in (False, True, "auto"), "--resume", self.resume, "takes no value, or auto")
+        require(not (self.overwrite and self.resume), "--overwrite", True, "a resumed run continues its metrics file; "
+                "leave out --overwrite, or --resume to start the run anew")
+        require(self.data_change in ("refuse", "allow"), "--data-change", self.data_change, "use one of refuse, allow")
+        require(self.data_change == "refuse" or bool(self.resume), "--data-change", self.data_change,
+                "only a resumed run can change its data; add --resume (or --resume auto)")
+        if self.profile_steps is not None:
+            require(bool(self.metrics_file), "--profile-steps", self.profile_steps,
+                    "needs --metrics-file RUN/metrics.jsonl: the traces are written to RUN/profile/")
+            parse_profile_steps(self.profile_steps, self.steps)
+        if self.wandb is not None:
+            check_wandb_project(self.wandb)
+
+    def term_save_threshold(self) -> float | None:
+        """Seconds of steps behind the newest checkpoint from which SIGTERM saves once more; None: never.
+        By default 0 under Slurm (a requeued job then redoes nothing), off elsewhere."""
+        import os
+
+        if self.save_on_term_within is None:
+            return 0.0 if os.environ.get("SLURM_JOB_ID") else None
+        return None if self.save_on_term_within == "off" else float(self.save_on_term_within)
 
     def diloco_flags(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in DILOCO_FLAGS}
@@ -203,21 +242,6 @@ class RunConfig:
             check_output_dir(self.checkpoint_dir, "--checkpoint-dir")
         if self.tensorboard:
             check_output_dir(self.tensorboard, "--tensorboard")
-
-
-def data_paths(data: str | None) -> list[str]:
-    """The files and folders named by --data: one path, or a blend 'W:PATH,W:PATH'."""
-    if not data:
-        return []
-    paths = []
-    for part in data.split(","):
-        weight, sep, path = part.partition(":")
-        try:
-            float(weight)
-        except ValueError:
-            sep = ""
-        paths.append(path if sep else part)
-    return paths
 
 
 def check_gpu_dtype(dtype: str) -> None:

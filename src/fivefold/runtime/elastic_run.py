@@ -49,6 +49,7 @@ class ElasticRun:
         self.guard = LossGuard(config.max_loss_spike, config.max_bad_steps)
         self.checkpointer: Checkpointer | None = None
         self.stragglers: StragglerWatch | None = None
+        self.unsaved_seconds = 0.0  # rank 0's step seconds since the newest checkpoint (saved or in flight)
 
     def start(self, parts: dict[int, nn.Module], checkpointer: Checkpointer) -> int:
         """Resume (or load initial weights) through the checkpointer and start watching the stage forwards;
@@ -103,8 +104,33 @@ class ElasticRun:
             for found in self.stragglers.observe(step, list(record.get("forward_time_s_per_rank", []))):
                 self.log(describe_straggler(found))
                 self.events.write("straggler", step=step, **found)
-        self.checkpointer.step_done(step)
+        self.unsaved_seconds += float(record.get("step_time_s", 0.0))
+        if self.checkpointer.step_done(step):
+            self.unsaved_seconds = 0.0
         return self.roll_back(step) if self.guard.should_roll_back else step
+
+    def stop_on_term(self, step: int) -> None:
+        """After the step in which some rank got SIGTERM (runtime/preemption.py): finish the save in flight, save
+        this step when the newest checkpoint is too far behind (rank 0 decides for every rank), note it."""
+        from fivefold.runtime.preemption import should_save_on_term, term_line
+
+        assert self.checkpointer is not None, "start() first"
+        checkpointer = self.checkpointer
+        finished = checkpointer.wait()
+        threshold = self.config.term_save_threshold() if checkpointer.saving else None
+        decision = [should_save_on_term(step, checkpointer.newest_step, self.unsaved_seconds, threshold)]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(decision, src=0)
+        newest = checkpointer.newest_step
+        if decision[0]:
+            checkpointer.save(step)
+            checkpointer.wait()
+        if self.log is not None:
+            self.log(term_line(step, finished, decision[0], newest, self.unsaved_seconds, threshold)
+                     if checkpointer.saving else f"SIGTERM: stopping after step {step}; nothing to save (no "
+                                                 "--checkpoint-dir)")
+        self.events.write("term", step=step, saved=decision[0], finished_save=finished, newest_step=newest,
+                          unsaved_seconds=self.unsaved_seconds, threshold=threshold)
 
     def roll_back(self, step: int) -> int:
         """After too many bad steps in a row: reload the newest checkpoint (every rank the one rank 0 found,

@@ -11,6 +11,7 @@ import logging
 import os
 import shlex
 import signal
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from fivefold.errors import SpecError, require
 from fivefold.interrupt import Interrupted, interrupted_line, quiet_sigint_in_worker
 from fivefold.local import free_port, threads_per_worker, tune_allocator
 from fivefold.runtime.config import RunConfig, check_gpu_dtype
+from fivefold.runtime.preemption import AGENT_SIGNALS, graceful_term_for_workers
 from fivefold.spec import Plan
 from fivefold.spec.plan import SPLIT_BACKWARD
 
@@ -181,13 +183,14 @@ def check_data(plan: Plan, data: str | None, tokenizer: str | None, text_field: 
 
 
 def prepare_run_dir(plan: Plan, config: RunConfig, plan_file: str | None,
-                    is_rank0: bool = True) -> tuple[str | None, str | None]:
+                    is_rank0: bool = True, fresh: bool = True) -> tuple[str | None, str | None]:
     """The run folder policy: (run folder, plan file for the torchrun line).
 
     With --metrics-file, its folder is the run folder and keeps the run's plan.toml (for `fivefold report`,
     and as the plan file of the torchrun line when no --plan was given); otherwise --checkpoint-dir is the run
-    folder. The run folder gets events.jsonl, pids/ and recovery.json (fivefold.elastic); this launch's events
-    only, so rank 0 clears the previous file."""
+    folder. The run folder gets events.jsonl, pids/ and recovery.json (fivefold.elastic). events.jsonl keeps
+    every launch of a run (each starts with a `launch` event: resumes, requeues), so rank 0 clears it only
+    when the run starts anew (`fresh`)."""
     run_dir = None
     if config.metrics_file:
         run_dir = Path(config.metrics_file).parent
@@ -197,7 +200,7 @@ def prepare_run_dir(plan: Plan, config: RunConfig, plan_file: str | None,
         plan_file = plan_file or str(run_dir / "plan.toml")
     elif config.checkpoint_dir:
         run_dir = Path(config.checkpoint_dir)
-    if run_dir is not None and is_rank0:
+    if run_dir is not None and is_rank0 and fresh:
         (run_dir / "events.jsonl").unlink(missing_ok=True)
     return (str(run_dir) if run_dir else None), plan_file
 
@@ -229,6 +232,8 @@ def worker_entry(configs: list[RunConfig]) -> list[dict]:
     try:
         knobs = FaultKnobs.from_env()  # test-only fault knobs (knobs.py); none set in a real run
         return [train(config, knobs) for config in configs]
+    except Interrupted as exc:  # SIGTERM: every rank stopped after a step, its work saved; not a failure
+        sys.exit(exc.exit_code)
     except BaseException as exc:  # noqa: BLE001 - recorded for the recovery report, then re-raised
         from fivefold.elastic.events import EventLog, global_rank
         from fivefold.elastic.hang import is_collective_timeout, timeout_message
@@ -244,6 +249,22 @@ def worker_entry(configs: list[RunConfig]) -> list[dict]:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def launch_config_has(field: str) -> bool:
+    """Whether torch's LaunchConfig takes `field`: shutdown_timeout (the wait between the workers' SIGTERM and
+    SIGKILL, a fixed 30 s before), signals_to_handle (which signals its agent catches)."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return field in getattr(LaunchConfig, "__dataclass_fields__", {})
+
+
+def slurm_job() -> dict:
+    """The Slurm job this launch runs in (its id and how often it was requeued), {} outside Slurm."""
+    if not os.environ.get("SLURM_JOB_ID"):
+        return {}
+    return {"slurm_job_id": os.environ["SLURM_JOB_ID"],
+            "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT") or 0)}
 
 
 def read_progress(path: str) -> int | None:
@@ -269,21 +290,24 @@ def launch(configs: list[RunConfig], nproc: int, max_restarts: int = 0) -> list[
     for name in ["torch.distributed.elastic", "torch.distributed.launcher",
                  *(n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic"))]:
         logging.getLogger(name).setLevel(logging.INFO if debug else logging.CRITICAL)
+    grace = {"shutdown_timeout": configs[0].term_grace} if launch_config_has("shutdown_timeout") else {}
+    if launch_config_has("signals_to_handle"):  # SIGTERM is graceful_term_for_workers' (runtime/preemption.py)
+        grace["signals_to_handle"] = AGENT_SIGNALS
     launch_config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
                                  rdzv_endpoint=f"localhost:{free_port()}", run_id=f"fivefold-{os.getpid()}",
-                                 max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn")
+                                 max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn", **grace)
     # Workers inherit this process's environment: share the cores out unless the user chose.
     user_threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(nproc))
     run_dir, metrics_file = configs[0].run_dir, configs[0].metrics_file
     events = EventLog(run_dir, restart=LAUNCHER)
-    events.write("launch", nproc=nproc, max_restarts=max_restarts)
+    events.write("launch", nproc=nproc, max_restarts=max_restarts, **slurm_job())
     outcome = "failed"
     handle, progress_file = tempfile.mkstemp(prefix="fivefold-progress-")  # rank 0's last finished step
     os.close(handle)
     configs = [dataclasses.replace(config, progress_file=progress_file) for config in configs]
     try:
-        with AgentWatch(run_dir) if run_dir else contextlib.nullcontext():
+        with AgentWatch(run_dir) if run_dir else contextlib.nullcontext(), graceful_term_for_workers():
             results = elastic_launch(launch_config, worker_entry)(list(configs))
         outcome = "finished"
     except (SignalException, KeyboardInterrupt) as exc:
@@ -321,12 +345,14 @@ def launch(configs: list[RunConfig], nproc: int, max_restarts: int = 0) -> list[
 
 
 def torchrun_command(plan_file: str | None, run_flags: list[str], nnodes: int, nproc_per_node: int,
-                     verb: str = "train") -> str:
+                     verb: str = "train", max_restarts: int = 0) -> str:
     """The multi-node equivalent: run this on every node (HOST = the first node's address). Each process
     torchrun starts runs `fivefold VERB` itself as one worker, so it parses and checks the same flags
-    (`generate` and `serve` have no plan file: their flags are the layout)."""
+    (`generate` and `serve` have no plan file: their flags are the layout); `--max-restarts` is torchrun's
+    own (its agent restarts the workers, which resume from the newest checkpoint)."""
     plan = ["--plan", plan_file] if plan_file else []
-    args = ["torchrun", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
+    restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
+    args = ["torchrun", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node), *restarts,
             "--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:29500", "-m", "fivefold", verb,
             "--torchrun-worker", *plan, *run_flags]
     return " ".join(shlex.quote(a) if a != "HOST:29500" else a for a in args)

@@ -60,10 +60,11 @@ def gather_from_ranks(values: list[float], device: torch.device, rank: int) -> l
 
 class MetricsFile:
     """Appends one JSON object per line; flushed every step so a crashed run keeps its history. Also where
-    the step's scalars go to TensorBoard (--tensorboard), and the last finished step to the launcher's
+    the step's scalars go to TensorBoard (--tensorboard) and W&B (--wandb), and the last finished step to the launcher's
     progress file (read when the run is interrupted, for the "interrupted at step N" line)."""
 
-    def __init__(self, path: str | None, tensorboard: str | None = None, progress_file: str | None = None) -> None:
+    def __init__(self, path: str | None, tensorboard: str | None = None, progress_file: str | None = None,
+                 wandb: Any = None) -> None:
         self.file: IO[str] | None = None
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -73,6 +74,7 @@ class MetricsFile:
             from fivefold.runtime.tensorboard import TensorBoardWriter
 
             self.tensorboard = TensorBoardWriter(tensorboard)
+        self.wandb = wandb  # a runtime/tracking.py WandbWriter (--wandb), or None
         self.progress_file = progress_file
 
     @classmethod
@@ -80,7 +82,12 @@ class MetricsFile:
         """Rank 0 writes everything; the other ranks get a sink that writes nothing."""
         if not is_rank0:
             return cls(None)
-        return cls(config.metrics_file, config.tensorboard, getattr(config, "progress_file", None))
+        wandb = None
+        if getattr(config, "wandb", None):
+            from fivefold.runtime.tracking import WandbWriter
+
+            wandb = WandbWriter(config.wandb, config.run_dir, config)
+        return cls(config.metrics_file, config.tensorboard, getattr(config, "progress_file", None), wandb)
 
     def write(self, record: dict[str, Any]) -> None:
         if self.file is not None:
@@ -88,6 +95,8 @@ class MetricsFile:
             self.file.flush()
         if self.tensorboard is not None:
             self.tensorboard.write(record)
+        if self.wandb is not None:
+            self.wandb.write(record)
         if self.progress_file:
             Path(self.progress_file).write_text(f"{record['step']}\n")
 
@@ -96,6 +105,8 @@ class MetricsFile:
             self.file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def format_step(record: dict[str, Any]) -> str:

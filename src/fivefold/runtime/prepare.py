@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from fivefold.data import write_data_caches
+from fivefold.elastic.events import restart_count
 from fivefold.errors import require
 from fivefold.runtime.config import RunConfig
 from fivefold.runtime.expert_parallel import balance_warning
@@ -48,7 +49,10 @@ def prepare_run(plan: Plan, config: RunConfig, *, nproc: int | None, plan_file: 
     local_nproc = worker_world[1] if worker_world else None
     is_rank0 = worker_world is None or worker_world[2] == 0
     world = worker_world[0] if worker_world else nproc if nproc is not None else plan.world_size
-    if config.resume and world != plan.world_size:  # shrinking or growing: a plan for the new world size
+    # torchrun restarted this worker group after a failure: the run goes on from its newest checkpoint.
+    continuing = bool(config.resume) or (torchrun_worker and restart_count() > 0)
+    resume = resumes(config, continuing)
+    if resume and world != plan.world_size:  # shrinking or growing: a plan for the new world size
         from fivefold.elastic.replan import replan_for_world
 
         plan, line = replan_for_world(plan, world, fixed,
@@ -65,14 +69,25 @@ def prepare_run(plan: Plan, config: RunConfig, *, nproc: int | None, plan_file: 
     data = check_data(plan, config.data, config.tokenizer, config.text_field)
     eval_data = check_data(plan, config.eval_data, config.tokenizer, config.text_field, "--eval-data") \
         if config.eval_data else None
-    resume_from = resume_checkpoint(plan, config.checkpoint_dir, config.resume, config.seed, config.steps, warn=warn,
+    resume_from = resume_checkpoint(plan, config.checkpoint_dir, resume, config.seed, config.steps, warn=warn,
                                     optimizer=config.optimizer_record())
     if resume_from is not None:
-        check_same_data(resume_from, data, plan, config)
+        changed = check_same_data(resume_from, data, plan, config)
+        if changed and is_rank0:
+            say(changed)
+    if config.metrics_file and not continuing and not config.overwrite:
+        refuse_other_run(config.metrics_file)
     for opened in (data, eval_data):  # only now: a refused command writes nothing
         if opened is not None:
             write_data_caches(opened)
-    run_dir, plan_file = prepare_run_dir(plan, config, plan_file, is_rank0)
+    if config.overwrite and is_rank0:
+        clear_run_outputs(config)
+    run_dir, plan_file = prepare_run_dir(plan, config, plan_file, is_rank0, fresh=not continuing)
+    if torchrun_worker and is_rank0 and restart_count() == 0 and run_dir:  # the local launcher writes its own
+        from fivefold.elastic.events import LAUNCHER, EventLog
+        from fivefold.runtime.launch import slurm_job
+
+        EventLog(run_dir, restart=LAUNCHER).write("launch", nproc=world, torchrun=True, **slurm_job())
     worker_flags = config.to_flags()
     config = dataclasses.replace(config, plan_toml=plan.to_toml(), device=device, run_dir=run_dir,
                                  resume_from=str(resume_from) if resume_from else None)
@@ -89,9 +104,66 @@ def check_precision_flags(plan: Plan, config: RunConfig, device: str) -> None:
         check_expert_gemm(plan, config.expert_gemm, device)
 
 
-def check_same_data(checkpoint: Path, data: Any, plan: Plan, config: RunConfig) -> None:
+VOCAB_MULTIPLE = 128  # a tokenizer's size is rounded up to this (Megatron-LM's default padding; GEMM-friendly)
+
+
+def tokenizer_of_run(config: RunConfig) -> RunConfig:
+    """The run's tokenizer: --tokenizer, else the --init-from-hf folder's tokenizer.json (its text is read the
+    way the model was trained), else bytes."""
+    from fivefold.checkpoint.tokenizer_files import folder_tokenizer
+
+    found = folder_tokenizer(config.init_from_hf) if config.tokenizer is None else None
+    return dataclasses.replace(config, tokenizer=found) if found else config
+
+
+def fit_vocab_to_tokenizer(plan: Plan, tokenizer: str | None, fixed_by: str | None,
+                           say: Callable[[str], None]) -> Plan:
+    """With --tokenizer: the model's vocab becomes the tokenizer's size rounded up to a multiple of
+    VOCAB_MULTIPLE, unless something fixed it (`fixed_by`, flags.vocab_fixed_by), which must then hold every
+    token id."""
+    from fivefold.data import load_tokenizer
+    from fivefold.errors import SpecError
+
+    if tokenizer is None:
+        return plan
+    size = load_tokenizer(tokenizer).vocab_size
+    padded = -(-size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    vocab = plan.model.vocab
+    if fixed_by is None:
+        if padded != vocab:
+            say(f"model vocab {vocab} -> {padded}: the tokenizer's {size} tokens rounded up to a multiple of "
+                f"{VOCAB_MULTIPLE} (give vocab in --model to fix it)")
+            plan = plan.replace(model=dataclasses.replace(plan.model, vocab=padded))
+        return plan
+    if size > vocab:
+        fixes = (("the plan file", f"write vocab = {padded} in its [model] table, or leave out --plan and give the "
+                                   "layout as flags"),
+                 ("the Hugging Face", "use the folder's own tokenizer (leave out --tokenizer) or one of at most "
+                                      "that many tokens"),
+                 ("--model ", f"write vocab = {padded} (or more) in that file, or leave vocab out and the tokenizer "
+                              "sets it"),
+                 ("--model", f"give vocab={padded} (or more) in --model, or leave vocab out and the tokenizer sets "
+                             "it"))
+        fix = next(text for prefix, text in fixes if fixed_by.startswith(prefix))
+        raise SpecError("--tokenizer", tokenizer, f"has {size} tokens but model.vocab={vocab}, fixed by {fixed_by}; "
+                                                  f"{fix}")
+    return plan
+
+
+def resumes(config: RunConfig, continuing: bool) -> bool:
+    """Whether this launch resumes from a checkpoint: --resume (one must exist), --resume auto or a torchrun
+    restart when one exists."""
+    from fivefold.elastic.restart import newest_complete
+
+    if config.resume is True:
+        return True
+    return continuing and newest_complete(config.checkpoint_dir) is not None
+
+
+def check_same_data(checkpoint: Path, data: Any, plan: Plan, config: RunConfig) -> str | None:
     """The resumed run's data (sources, blend weights) is the checkpoint's: its saved loader position only means
-    something in the same data. Checked here, so a mismatch is one line before any worker starts."""
+    something in the same data. Checked here, so a mismatch is one line before any worker starts; with
+    --data-change allow, the line that says which positions restart (None when nothing changed)."""
     from fivefold.checkpoint.layout import read_checkpoint_info
     from fivefold.data import GlobalBatchLoader
     from fivefold.errors import SpecError
@@ -99,11 +171,44 @@ def check_same_data(checkpoint: Path, data: Any, plan: Plan, config: RunConfig) 
     saved = read_checkpoint_info(checkpoint)["extra"]["train_state"]["loader"]
     loader = GlobalBatchLoader(data, plan.train.seq_len, plan.train.global_batch, config.seed)
     key = loader.differs_from(saved)
-    if key is not None:
-        raise SpecError("--data", config.data or "builtin", f"the checkpoint's data had {key}="
-                                                          f"{saved.get(key)}, this data has {key}="
-                                                          f"{loader.state_dict().get(key)}; resume with the same "
-                                                          "data (and blend weights)")
+    if key is None:
+        return None
+    if config.data_change == "allow" and key not in ("seed", "seq_len"):
+        return loader.describe_change(saved)
+    raise SpecError("--data", config.data or "builtin", f"the checkpoint's data had {key}="
+                                                      f"{saved.get(key)}, this data has {key}="
+                                                      f"{loader.state_dict().get(key)}; resume with the same "
+                                                      "data (and blend weights), or add --data-change allow")
+
+
+def refuse_other_run(metrics_file: str) -> None:
+    """A new run does not append to the metrics file of another: --resume continues it, --overwrite replaces it."""
+    from fivefold.errors import SpecError
+    from fivefold.report.load import recorded_steps
+
+    steps = recorded_steps(Path(metrics_file))
+    if steps:
+        raise SpecError("--metrics-file", metrics_file, f"holds steps {min(steps)}-{max(steps)} of another run; add "
+                                                        "--resume to continue it (with its --checkpoint-dir), "
+                                                        "--overwrite to replace it, or give a new file")
+
+
+def clear_run_outputs(config: RunConfig) -> None:
+    """--overwrite: the metrics file and what the run folder holds of the run that wrote it."""
+    import shutil
+
+    from fivefold.report.load import RUN_OUTPUTS
+
+    if not config.metrics_file:
+        return
+    metrics = Path(config.metrics_file)
+    metrics.unlink(missing_ok=True)
+    for name in RUN_OUTPUTS:
+        path = metrics.parent / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def done_lines(summary: dict, config: RunConfig) -> list[str]:

@@ -2,11 +2,13 @@
 checks them before anything heavy loads, and the checkpoint records them as JSON).
 
 Every schedule starts with a linear warmup to the peak over `warmup_steps`, then:
-    cosine    half a cosine from the peak down to min_lr at the last step (Chinchilla, Llama);
+    cosine    half a cosine from the peak (the first step after the warmup) down to min_lr at the last step
+              (Chinchilla, Llama); a single step after the warmup runs at min_lr;
     linear    a straight line from the peak down to min_lr at the last step;
     constant  the peak until the end;
     wsd       warmup-stable-decay (MiniCPM, DeepSeek): the peak until the last `decay_steps` steps, which fall
               linearly to min_lr at the last step.
+A warmup that takes every step leaves no decay: such a run ends at the peak.
 """
 
 from __future__ import annotations
@@ -62,7 +64,10 @@ def lr_at(step: int, peak_lr: float, warmup_steps: int, total_steps: int, schedu
             return peak_lr
         progress = min(1.0, (step - decay_start + 1) / decay)
         return peak_lr - (peak_lr - floor) * progress
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps - 1))
+    # The first step after the warmup runs at the peak and the last at min_lr; with a single step after the
+    # warmup that step is the last one, so it runs at min_lr.
+    decay = total_steps - warmup_steps
+    progress = 1.0 if decay <= 1 else min(1.0, (step - warmup_steps) / (decay - 1))
     if schedule == "linear":
         return peak_lr - (peak_lr - floor) * progress
     return floor + 0.5 * (peak_lr - floor) * (1.0 + math.cos(math.pi * progress))

@@ -24,6 +24,17 @@ PER_RANK_SCALARS = {
 }
 
 
+def step_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """{tag: value} of one step's record: what TensorBoard and Weights & Biases (runtime/tracking.py) both get."""
+    scalars = {tag: float(record[key]) for key, tag in STEP_SCALARS.items()
+               if isinstance(record.get(key), (int, float)) and not isinstance(record.get(key), bool)}
+    for key, prefix in PER_RANK_SCALARS.items():
+        for rank, value in enumerate(record.get(key) or []):
+            scalars[f"{prefix}/rank_{rank}"] = float(value)
+    scalars["train/skipped"] = float(bool(record.get("skipped")))
+    return scalars
+
+
 class TensorBoardWriter:
     """Event files under `folder` (created when missing); one point per scalar per optimizer step."""
 
@@ -34,13 +45,8 @@ class TensorBoardWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
-        for key, tag in STEP_SCALARS.items():
-            if isinstance(record.get(key), (int, float)):
-                self.writer.add_scalar(tag, float(record[key]), step)
-        for key, prefix in PER_RANK_SCALARS.items():
-            for rank, value in enumerate(record.get(key) or []):
-                self.writer.add_scalar(f"{prefix}/rank_{rank}", float(value), step)
-        self.writer.add_scalar("train/skipped", float(bool(record.get("skipped"))), step)
+        for tag, value in step_scalars(record).items():
+            self.writer.add_scalar(tag, value, step)
         self.writer.flush()  # a run stopped at any step keeps what it measured
 
     def close(self) -> None:

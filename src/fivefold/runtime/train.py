@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import signal
 import sys
 import time
 import warnings
@@ -27,7 +28,8 @@ from torch import nn
 
 from fivefold.data.loader import GlobalBatchLoader
 from fivefold.elastic.events import restart_count
-from fivefold.elastic.restart import resume_point
+from fivefold.elastic.restart import newest_complete, resume_point
+from fivefold.interrupt import Interrupted, interrupted_line
 from fivefold.models import init_weights
 from fivefold.runtime.checkpointing import Checkpointer, StageModels, log_to
 from fivefold.runtime.diloco import OuterLoop, inner_sync_bytes
@@ -49,6 +51,8 @@ from fivefold.runtime.parallelize import (apply_activation_checkpointing, apply_
                                           apply_tensor_parallel, finish_gradient_sync, set_gradient_sync,
                                           uses_ddp, wrap_ddp)
 from fivefold.runtime.pipeline import build_schedule, build_stage_model, run_schedule
+from fivefold.runtime.preemption import TermWatch
+from fivefold.runtime.profiling import StepProfiler
 from fivefold.runtime.trace import BACKWARD, FORWARD, OPTIMIZER, StepTracer
 from fivefold.runtime.vocab_parallel import VocabParallel, build_vocab_parallel
 from fivefold.spec import Plan
@@ -192,7 +196,16 @@ def forward_backward(model: StepModel, inputs: torch.Tensor, targets: torch.Tens
 
 
 def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
-    """Run `config.steps` steps of the plan on this process's rank; rank 0 returns the summary."""
+    """Run `config.steps` steps of the plan on this process's rank; rank 0 returns the summary. SIGTERM stops
+    every rank after the step it came in, with the work saved (runtime/preemption.py): Interrupted."""
+    watch = TermWatch().install()
+    try:
+        return train_steps(config, knobs, watch)
+    finally:
+        watch.restore()
+
+
+def train_steps(config: RunConfig, knobs: FaultKnobs, watch: TermWatch) -> dict:
     started = time.time()
     restart = restart_count()  # > 0: the elastic agent restarted us after a failure; continue from the newest checkpoint
     config = dataclasses.replace(config, resume_from=resume_point(config.checkpoint_dir, config.resume_from, restart))
@@ -231,6 +244,7 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
         if plan.model.is_moe:
             forget_metadata_inference(schedule, parts)
     tracer = StepTracer.for_run(config, plan, mesh.rank, device, schedule)
+    profiler = StepProfiler(config.profile_steps, config.steps, config.run_dir, mesh.rank, device)
     autocast = (torch.autocast(device.type, dtype=param_dtype) if param_dtype is not None and plan.dp == 1
                 else contextlib.nullcontext())
     step_model = StepModel(plan, device, parts, loss_fn, micro_batches, schedule, tracer, autocast,
@@ -246,13 +260,17 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
     first_step = elastic.start(parts, Checkpointer(config, plan, mesh, parts, optimizer, loader, outer,
                                                             vocab.slices if vocab else None))  # > 0: resumed
     meter = StepMeter(plan, device, mesh.rank, "fp32" if param_dtype is None else "bf16", first_step)
-    metrics = MetricsFile.for_run(config, is_rank0)  # metrics file, TensorBoard, progress for an interrupt
+    metrics = MetricsFile.for_run(config, is_rank0)  # metrics file, TensorBoard, W&B, progress for an interrupt
+    if metrics.wandb is not None and log is not None:
+        log(metrics.wandb.describe())
     progress = Progress(config.steps, f"training {plan.model.name}: {plan.describe()} on {plan.world_size} "
                         f"{device.type} process(es)", stream) if is_rank0 and config.show_progress else None
     history: list[dict] = []
     collapse = CollapseWatch(plan.model) if plan.model.is_moe else None
     step = first_step
+    stopped_at: int | None = None
     while step < config.steps:
+        profiler.begin_step(step + 1)
         meter.start()
         knobs.step_started(step + 1, mesh.rank, restart)
         position = elastic.begin_step(step + 1, loader)
@@ -267,7 +285,7 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
         # One all-reduce: gradient-norm squares, loss, and rank 0's request for per-rank metrics.
         totals = reduce_step_totals(local_grad_norm_squared(params, plan, groups), local_loss, plan,
                                     mesh.coords["tp"], request_metrics=elastic.wants_per_rank_metrics(),
-                                    outer_groups=groups, outer_index=group_index)
+                                    outer_groups=groups, outer_index=group_index, stop=watch.requested)
         grad_norm, loss = totals.grad_norm, totals.loss
         clip_to_norm(params, config.grad_clip, totals.group_grad_norm)  # DiLoCo: each group by its own norm
         verdict = elastic.judge(loss, grad_norm)
@@ -289,6 +307,7 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
         record = meter.finish(step + 1, loss, grad_norm, lr, verdict.bad, elastic.forward_seconds(), moe_metrics,
                               gather)
         tracer.end_step()
+        profiler.end_step(step + 1)
         if evaluator is not None and evaluator.due(step + 1):  # after the step's timing: not part of it
             record.update(evaluator.evaluate(step_model, rows, mesh.coords["cp"], mesh.coords["tp"],
                                              end_of_document, groups))
@@ -304,13 +323,22 @@ def train(config: RunConfig, knobs: FaultKnobs = NO_KNOBS) -> dict:
                 progress.update(record)
         step = elastic.end_step(record, verdict, position)  # after a rollback: the checkpoint's step
         history = [r for r in history if r["step"] <= step]
+        if totals.stop_requested:  # SIGTERM on some rank: every rank stops here, its work saved
+            elastic.stop_on_term(step)
+            stopped_at = step
+            break
     if outer:
         outer.flush()  # exchanges still in flight after the last step
     elastic.close()
     if progress is not None:
         progress.close()
     tracer.finish()
+    profiler.finish()  # stopped inside the profiled steps: what was profiled
     metrics.close()
+    if stopped_at is not None:
+        raise Interrupted(signal.SIGTERM, interrupted_line(stopped_at, config.steps, config.checkpoint_dir,
+                                                           newest_complete(config.checkpoint_dir))
+                          if is_rank0 else "")
     if not is_rank0:
         return {}
     return {**summarize(plan, device, history, config.metrics_file),
